@@ -1,0 +1,23 @@
+"""dmuon_fsdp: distributed Muon for FSDP2 and DTensor.
+
+    fully_shard(model)
+    opt = DMuonFSDP(model.parameters(), lr=0.02)      # or DMuonFSDP(param_groups(model))
+"""
+
+from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS, newton_schulz
+from dmuon_fsdp.optimizer import DMuonFSDP, adjusted_lr
+from dmuon_fsdp.param_groups import param_groups
+from dmuon_fsdp.planner import Plan, build_plan, chunk_row_counts
+
+__all__ = [
+    "DMuonFSDP",
+    "MUON_COEFFICIENTS",
+    "POLAR_EXPRESS",
+    "Plan",
+    "adjusted_lr",
+    "build_plan",
+    "chunk_row_counts",
+    "newton_schulz",
+    "param_groups",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,301 @@
+"""DMuonFSDP: Muon for FSDP2-sharded models, with each matrix orthogonalized once, by its owner."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial
+from torch.optim import Optimizer
+
+from dmuon_fsdp import comm, elementwise
+from dmuon_fsdp.newton_schulz import (
+    MUON_COEFFICIENTS,
+    default_ns_dtype,
+    newton_schulz,
+    resolve_coefficients,
+)
+from dmuon_fsdp.planner import MatrixLayout, Plan, build_plan, describe_param
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+_OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap")
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """The Muon step size for a rows x cols matrix, as in ``torch.optim.Muon``."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class DMuonFSDP(Optimizer):
+    """Distributed Muon for FSDP2 (DTensor ``Shard(0)``) parameters; AdamW for the rest.
+
+    Arguments follow ``torch.optim.Muon`` (lr, momentum, nesterov, weight_decay, ns_steps,
+    ns_coefficients, eps, adjust_lr_fn), plus:
+
+    - ``ns_coefficients``: one (a, b, c) triple, a list of per-iteration triples (iterations past
+      its end reuse the last), or a name: ``"muon"`` or ``"polar_express"``.
+    - ``ns_dtype``: dtype of the Newton-Schulz matmuls; None = bf16 on CUDA, fp32 otherwise.
+    - ``comm_dtype``: dtype of the all-to-all buffers; None = ``ns_dtype``.
+    - ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``: the AdamW settings of
+      parameters routed to AdamW.
+    - ``bucket_bytes``: bound on the full-matrix bytes exchanged per bucket; ``overlap``: launch
+      bucket k+1's exchange before bucket k's Newton-Schulz (False: strictly one after another).
+
+    Routing: within a group, parameters with ndim >= 2 use Muon and the others AdamW; a group's
+    ``use_muon`` (True/False) overrides that. A group that mixes both is split into a Muon group
+    and an AdamW group (with lr/betas/eps/weight_decay from its ``adamw_*`` options), so
+    ``param_groups`` can hold more groups than were passed and learning-rate schedulers scale
+    both. In a group with ``use_muon=False`` the plain keys lr/betas/eps/weight_decay are AdamW's
+    (defaulting to the ``adamw_*`` values). The plain ``model.parameters()`` form sends every 2-D
+    weight, embeddings and output head included, to Muon; ``dmuon_fsdp.param_groups(model)``
+    sends those to AdamW. Weights with ndim > 2 are orthogonalized as (dim0, -1) matrices and
+    their lr scale uses that shape.
+
+    ``ns_dtype``, ``comm_dtype``, ``bucket_bytes`` and ``overlap`` are optimizer-wide. State for
+    every parameter exists from construction; momentum buffers are placed like their parameters.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: Any = MUON_COEFFICIENTS,
+        eps: float = 1e-7,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype | None = None,
+        comm_dtype: torch.dtype | None = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        bucket_bytes: int = 128 * 2**20,
+        overlap: bool = True,
+    ):
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.ns_dtype, self.comm_dtype = ns_dtype, comm_dtype
+        self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
+        self._names: dict[Tensor, str] = {}
+        self._mesh_owner: tuple[Any, str] | None = None
+        self._plan_key: tuple | None = None
+        self._plan: Plan | None = None
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
+            adjust_lr_fn=adjust_lr_fn, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+
+    # ---- construction -------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group, routing its parameters to Muon or AdamW (see the class docstring)."""
+        group = dict(param_group)
+        for key in _OPTIMIZER_WIDE:
+            if key in group:
+                raise ValueError(f"{key} is optimizer-wide and cannot be set per param group")
+        params = group.pop("params")
+        params = [params] if isinstance(params, Tensor) else list(params)
+        use_muon = group.pop("use_muon", None)
+        if use_muon not in (None, True, False):
+            raise ValueError(f"use_muon must be True, False or unset, got {use_muon!r}")
+        index = sum(len(g["params"]) for g in self.param_groups)
+        muon, adamw = [], []
+        for i, item in enumerate(params):
+            name, p = item if isinstance(item, tuple) else (f"parameter {index + i}", item)
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
+            route_to_muon = p.ndim >= 2 if use_muon is None else use_muon
+            if route_to_muon and p.ndim < 2:
+                raise ValueError(
+                    f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon "
+                    "needs a matrix (ndim >= 2)"
+                )
+            self._names[p] = name
+            (muon if route_to_muon else adamw).append(item)
+        if muon or not adamw:
+            muon_group = {**group, "params": muon, "use_muon": True}
+            super().add_param_group(muon_group)
+            self._init_muon_group(self.param_groups[-1])
+        if adamw:
+            explicit = use_muon is False
+            adamw_group = {**group, "params": adamw, "use_muon": False}
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                if not (explicit and key in group):
+                    adamw_group[key] = group.get(f"adamw_{key}", self.defaults[f"adamw_{key}"])
+            super().add_param_group(adamw_group)
+            self._init_adamw_group(self.param_groups[-1])
+
+    def _init_muon_group(self, group: dict[str, Any]) -> None:
+        _check_common(group, "lr", "weight_decay")
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")
+        if not group["eps"] >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {group['eps']}")
+        resolve_coefficients(group["ns_coefficients"], group["ns_steps"])  # validates
+        for p in group["params"]:
+            self._check_muon_param(p, group)
+            self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _init_adamw_group(self, group: dict[str, Any]) -> None:
+        _check_common(group, "lr", "weight_decay")
+        beta1, beta2 = group["betas"]
+        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0) or not group["eps"] >= 0.0:
+            raise ValueError(f"AdamW betas must be in [0, 1) and eps >= 0, got {group['betas']}, {group['eps']}")
+        for p in group["params"]:
+            name = self._names[p]
+            if p.is_complex():
+                raise ValueError(f"{name}: complex parameters are not supported")
+            if isinstance(p, DTensor) and any(isinstance(pl, Partial) for pl in p.placements):
+                raise NotImplementedError(f"{name} has Partial placements {p.placements}")
+            state = self.state[p]
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _check_muon_param(self, p: Tensor, group: dict[str, Any]) -> None:
+        name = self._names[p]
+        if p.is_complex():
+            raise ValueError(f"{name}: complex parameters are not supported")
+        describe_param(p, name, group["ns_steps"])  # raises for layouts not handled yet
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+        else:
+            if comm.default_world_size() > 1:
+                raise NotImplementedError(
+                    f"{name} is a plain tensor in a job of {comm.default_world_size()} ranks: "
+                    "replicated (DDP) parameters are not supported yet; shard the model with "
+                    "fully_shard"
+                )
+            mesh = None
+        if self._mesh_owner is None:
+            self._mesh_owner = (mesh, name)
+        elif self._mesh_owner[0] != mesh:
+            other_mesh, other = self._mesh_owner
+            raise ValueError(
+                f"all Muon parameters must live on one device mesh: {name} is on {mesh} but "
+                f"{other} is on {other_mesh}"
+            )
+
+    # ---- the step -----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Momentum and AdamW on local shards, Newton-Schulz by owners, then the update."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries: list[tuple[dict[str, Any], Tensor, Tensor]] = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [_local(p.grad) for p in params]
+            if group["use_muon"]:
+                buffers = [_local(self.state[p]["momentum_buffer"]) for p in params]
+                updates = elementwise.muon_momentum(grads, buffers, group["momentum"], group["nesterov"])
+                entries.extend((group, p, u) for p, u in zip(params, updates))
+            else:
+                states = [self.state[p] for p in params]
+                elementwise.adamw(
+                    [_local(p) for p in params], grads,
+                    [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+                    [s["step"] for s in states], lr=float(group["lr"]), betas=group["betas"],
+                    eps=group["eps"], weight_decay=group["weight_decay"],
+                )  # fmt: skip
+        if entries:
+            self._muon_update(entries)
+        return loss
+
+    def plan_for(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]]) -> Plan:
+        """The (cached) plan for these Muon parameters; rebuilt when their set or layout changes."""
+        layouts = [describe_param(p, self._names[p], g["ns_steps"]) for g, p, _ in entries]
+        key = tuple(zip((id(p) for _, p, _ in entries), layouts))
+        if self._plan is None or key != self._plan_key:
+            size = torch.empty((), dtype=self._comm_dtype(entries[0][1].device)).element_size()
+            self._plan = build_plan(layouts, len(layouts[0].row_counts), self.bucket_bytes, size)
+            self._plan_key = key
+        return self._plan
+
+    def _ns_dtype(self, device: torch.device) -> torch.dtype:
+        return self.ns_dtype or default_ns_dtype(device)
+
+    def _comm_dtype(self, device: torch.device) -> torch.dtype:
+        return self.comm_dtype or self._ns_dtype(device)
+
+    def _muon_update(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:
+        plan = self.plan_for(entries)
+        device = entries[0][2].device
+        group, rank = comm.process_group_of(entries[0][1])
+        exchange = comm.ShardExchange(plan, rank, group, self._comm_dtype(device))
+        local_rows = {
+            j: update.reshape(m.row_counts[rank], m.cols)
+            for j, ((_, _, update), m) in enumerate(zip(entries, plan.matrices))
+        }
+        gathers = {}
+        scatters = []
+        lookahead = 1 if self.overlap else 0
+        for k, bucket in enumerate(plan.buckets):
+            for ahead in range(k, min(k + lookahead + 1, len(plan.buckets))):
+                if ahead not in gathers:
+                    gathers[ahead] = exchange.start_gather(plan.buckets[ahead], local_rows, device)
+            full = exchange.finish_gather(gathers.pop(k))
+            results = self._orthogonalize(full, entries, device)
+            scatter = exchange.start_scatter(bucket, results, device)
+            if self.overlap:
+                scatters.append(scatter)
+            else:
+                self._apply(exchange.finish_scatter(scatter), entries, plan)
+        for scatter in scatters:
+            self._apply(exchange.finish_scatter(scatter), entries, plan)
+
+    def _orthogonalize(
+        self, full: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], device: torch.device
+    ) -> dict[int, Tensor]:
+        """Batched Newton-Schulz over the owned matrices, one batch per shape and settings."""
+        batches: dict[tuple, list[int]] = defaultdict(list)
+        for j, matrix in full.items():
+            group = entries[j][0]
+            coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+            batches[(tuple(matrix.shape), coefficients, group["eps"])].append(j)
+        results: dict[int, Tensor] = {}
+        for (_, coefficients, eps), indices in batches.items():
+            stacked = torch.stack([full[j] for j in indices])
+            out = newton_schulz(stacked, coefficients, eps, self._ns_dtype(device))
+            results.update(zip(indices, out.unbind(0)))
+        return results
+
+    def _apply(
+        self, blocks: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], plan: Plan
+    ) -> None:
+        for j, block in blocks.items():
+            group, p, _ = entries[j]
+            m: MatrixLayout = plan.matrices[j]
+            lr = float(group["lr"])
+            local = _local(p)
+            if group["weight_decay"]:
+                local.mul_(1.0 - lr * group["weight_decay"])
+            local.add_(block.view(local.shape), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
+
+
+def _check_common(group: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        value = float(group[key])
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{key} must be a finite number >= 0, got {group[key]!r}")

@@ -1,0 +1,54 @@
+"""Routing a model's parameters: hidden matrices to Muon; embeddings, output head and vectors to AdamW."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def _output_heads(model: nn.Module, head: str | nn.Module | None) -> set[nn.Parameter]:
+    if isinstance(head, str):
+        head = model.get_submodule(head)
+    if isinstance(head, nn.Module):
+        return set(head.parameters())
+    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {
+        m.weight
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and m.out_features in vocab_sizes
+    }
+
+
+def param_groups(
+    model: nn.Module,
+    head: str | nn.Module | None = None,
+    **muon_options: Any,
+) -> list[dict[str, Any]]:
+    """Split ``model``'s trainable parameters into a Muon group and an AdamW group.
+
+    AdamW gets every ``nn.Embedding`` weight, the output head and every parameter with fewer than
+    two dims; Muon gets the remaining matrices (and conv kernels). The head is ``head`` (a
+    submodule or its qualified name) or, when not given, every ``nn.Linear`` whose ``out_features``
+    equals an embedding's ``num_embeddings`` (a vocabulary projection); a head tied to the
+    embedding is the embedding's own parameter. ``muon_options`` (lr, weight_decay, ...) go into
+    the Muon group; AdamW options come from the optimizer's ``adamw_*`` arguments. Works before
+    or after ``fully_shard``. Groups carry parameter names, so errors name the parameter.
+
+    Example: ``DMuonFSDP(param_groups(model, lr=0.02), adamw_lr=3e-4)``.
+    """
+    to_adamw: set[nn.Parameter] = _output_heads(model, head)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            to_adamw.add(module.weight)
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (adamw if p in to_adamw or p.ndim < 2 else muon).append((name, p))
+    groups: list[dict[str, Any]] = []
+    if muon:
+        groups.append({"params": muon, "use_muon": True, **muon_options})
+    if adamw:
+        groups.append({"params": adamw, "use_muon": False})
+    return groups

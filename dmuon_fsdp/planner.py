@@ -1,0 +1,206 @@
+"""The exchange plan: who orthogonalizes which matrix, and in which bucket.
+
+Pure Python: no collectives and no tensors beyond reading a parameter's shape, placements and
+mesh. Every rank derives the identical plan from the same inputs, so no rank has to ask another.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from dmuon_fsdp.newton_schulz import newton_schulz_flops
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """One Muon matrix: its global (rows, cols) and how many rows each mesh rank holds.
+
+    ``row_counts[r]`` rows starting at ``sum(row_counts[:r])`` live on rank r (dim-0 sharding);
+    weights with more than two dims are viewed as (dim0, product of the rest).
+    """
+
+    name: str
+    rows: int
+    cols: int
+    row_counts: tuple[int, ...]
+    ns_steps: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def cost(self) -> int:
+        return newton_schulz_flops(self.rows, self.cols, self.ns_steps)
+
+    @cached_property
+    def row_offsets(self) -> tuple[int, ...]:
+        offsets = [0]
+        for count in self.row_counts[:-1]:
+            offsets.append(offsets[-1] + count)
+        return tuple(offsets)
+
+
+def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
+    """Rows per rank under ``torch.chunk`` semantics, as FSDP2 shards dim 0.
+
+    Chunks of ceil(rows / W) rows; the remainder goes to the earlier ranks, and the last ranks
+    may hold none: 5 rows over 4 ranks -> (2, 2, 1, 0).
+    """
+    size = -(-rows // world_size) if rows else 0
+    return tuple(max(0, min(size, rows - r * size)) for r in range(world_size))
+
+
+def describe_param(param: torch.Tensor, name: str, ns_steps: int) -> MatrixLayout:
+    """Read a Muon parameter's layout: a plain tensor (one process) or a 1-D-mesh Shard(0) DTensor.
+
+    Raises NotImplementedError for layouts this release does not exchange (HSDP, TP, replicated).
+    """
+    if param.ndim < 2:
+        raise ValueError(f"parameter {name!r} has shape {tuple(param.shape)}: Muon needs >= 2 dims")
+    rows = param.shape[0]
+    cols = math.prod(param.shape[1:])
+    if not isinstance(param, DTensor):
+        return MatrixLayout(name, rows, cols, (rows,), ns_steps)
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    if mesh.ndim != 1 or placements != (Shard(0),) or type(placements[0]) is not Shard:
+        raise NotImplementedError(
+            f"parameter {name!r} is a DTensor with placements {placements} on a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}; DMuonFSDP supports only plain FSDP2 sharding (Shard(0) on a 1-D "
+            "mesh) so far: HSDP, tensor parallel and replicated layouts are not implemented yet"
+        )
+    counts = chunk_row_counts(rows, mesh.size())
+    local_rows = param.to_local().shape[0]
+    if local_rows != counts[mesh.get_local_rank()]:
+        raise NotImplementedError(
+            f"parameter {name!r}: local shard has {local_rows} rows on mesh rank "
+            f"{mesh.get_local_rank()}, expected {counts[mesh.get_local_rank()]} from torch.chunk "
+            f"sharding of {rows} rows over {mesh.size()} ranks"
+        )
+    return MatrixLayout(name, rows, cols, counts, ns_steps)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Matrices (indices into ``Plan.matrices``) exchanged by one pair of all-to-alls."""
+
+    matrices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Owners and buckets for a list of matrices over ``world_size`` ranks."""
+
+    matrices: tuple[MatrixLayout, ...]
+    owners: tuple[int, ...]
+    buckets: tuple[Bucket, ...]
+    world_size: int
+
+    def owned_by(self, bucket: Bucket, rank: int) -> list[int]:
+        return [j for j in bucket.matrices if self.owners[j] == rank]
+
+    def send_counts(self, bucket: Bucket, rank: int) -> list[int]:
+        """Elements ``rank`` sends to each owner in the forward (shards -> owner) exchange."""
+        counts = [0] * self.world_size
+        for j in bucket.matrices:
+            m = self.matrices[j]
+            counts[self.owners[j]] += m.row_counts[rank] * m.cols
+        return counts
+
+    def receive_counts(self, bucket: Bucket, rank: int) -> list[int]:
+        """Elements ``rank`` receives from each rank in the forward exchange (as owner)."""
+        counts = [0] * self.world_size
+        for j in self.owned_by(bucket, rank):
+            m = self.matrices[j]
+            for src, rows in enumerate(m.row_counts):
+                counts[src] += rows * m.cols
+        return counts
+
+    def loads(self) -> list[int]:
+        """NS flops assigned to each rank."""
+        loads = [0] * self.world_size
+        for j, owner in enumerate(self.owners):
+            loads[owner] += self.matrices[j].cost
+        return loads
+
+    def elements_moved(self, rank: int) -> int:
+        """Elements ``rank`` sends to other ranks in one step, both exchanges together.
+
+        The reverse exchange mirrors the forward one, so what a rank sends back equals what it
+        received: this is also the least any owner-based schedule can move for this plan.
+        """
+        total = 0
+        for bucket in self.buckets:
+            sent = self.send_counts(bucket, rank)
+            received = self.receive_counts(bucket, rank)
+            total += sum(sent) - sent[rank] + sum(received) - received[rank]
+        return total
+
+
+def assignment_lower_bound(costs: Sequence[int], world_size: int) -> float:
+    """Least possible busiest-rank cost when whole matrices are assigned to ranks.
+
+    max(mean load, largest matrix, W-th + (W+1)-th largest): with more than W matrices, two of
+    the W+1 largest share a rank.
+    """
+    ordered = sorted(costs, reverse=True)
+    bound = max(sum(ordered) / world_size, ordered[0] if ordered else 0)
+    if len(ordered) > world_size:
+        bound = max(bound, ordered[world_size - 1] + ordered[world_size])
+    return bound
+
+
+def assign_owners(costs: Sequence[int], world_size: int) -> tuple[list[int], list[int]]:
+    """Longest-processing-time-first: biggest matrix first, each to the least-loaded rank.
+
+    Ties break on matrix index and rank number, so the result depends only on the inputs.
+    Returns (owner of each matrix, matrix indices in assignment order).
+    """
+    order = sorted(range(len(costs)), key=lambda j: (-costs[j], j))
+    heap = [(0, rank) for rank in range(world_size)]
+    owners = [0] * len(costs)
+    for j in order:
+        load, rank = heapq.heappop(heap)
+        owners[j] = rank
+        heapq.heappush(heap, (load + costs[j], rank))
+    return owners, order
+
+
+def build_plan(
+    matrices: Sequence[MatrixLayout], world_size: int, bucket_bytes: int, element_size: int
+) -> Plan:
+    """Assign owners by NS cost over all matrices and cut them into buckets of bounded bytes.
+
+    Buckets follow the assignment order (largest first), so consecutive matrices go to different
+    owners and every bucket spreads NS work over the ranks; while one bucket's NS runs, the next
+    bucket's exchange is in flight. A matrix larger than ``bucket_bytes`` gets a bucket of its own.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for m in matrices:
+        if len(m.row_counts) != world_size or sum(m.row_counts) != m.rows:
+            raise ValueError(
+                f"matrix {m.name!r}: row counts {m.row_counts} do not split {m.rows} rows over "
+                f"{world_size} ranks"
+            )
+    owners, order = assign_owners([m.cost for m in matrices], world_size)
+    buckets: list[Bucket] = []
+    current: list[int] = []
+    current_bytes = 0
+    for j in order:
+        size = matrices[j].numel * element_size
+        if current and current_bytes + size > bucket_bytes:
+            buckets.append(Bucket(tuple(current)))
+            current, current_bytes = [], 0
+        current.append(j)
+        current_bytes += size
+    if current:
+        buckets.append(Bucket(tuple(current)))
+    return Plan(tuple(matrices), tuple(owners), tuple(buckets), world_size)

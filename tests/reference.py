@@ -1,0 +1,43 @@
+"""Float64, single-process reference Muon written from the formulas, independent of dmuon_fsdp."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def reference_orthogonalize(m: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+    x = m.double().reshape(m.shape[0], -1)
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / max(x.norm().item(), eps)
+    triples = [coefficients] if isinstance(coefficients[0], (int, float)) else list(coefficients)
+    for i in range(steps):
+        a, b, c = triples[min(i, len(triples) - 1)]
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def reference_muon_step(param, grad, buf, *, lr, momentum, nesterov, weight_decay, coefficients,
+                        steps, eps, adjust_lr_fn):
+    """One Muon step on float64 full tensors, in place on ``param`` and ``buf``."""
+    buf.mul_(momentum).add_(grad, alpha=1 - momentum)
+    update = grad + momentum * (buf - grad) if nesterov else buf
+    ortho = reference_orthogonalize(update, coefficients, steps, eps)
+    rows, cols = ortho.shape
+    if adjust_lr_fn == "match_rms_adamw":
+        scale = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        scale = math.sqrt(max(1.0, rows / cols))
+    param.mul_(1 - lr * weight_decay)
+    param.sub_(lr * scale * ortho.reshape(param.shape))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    diff = (actual.double() - expected).norm().item()
+    norm = expected.norm().item()
+    return diff / norm if norm > 0 else diff

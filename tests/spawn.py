@@ -1,0 +1,62 @@
+"""Run a function on W CPU ranks (gloo), fail with the failing rank's traceback, never hang."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return each result.
+
+    ``fn`` must be a module-level function. An exception in any rank re-raises here with that
+    rank's traceback; ranks still running after ``timeout`` seconds are killed and the test fails.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _rank_main,
+            args=(fn, world_size, free_port(), out_dir, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,95 @@
+"""What a step sends: two all-to-alls per bucket, the bytes the plan predicts, no gathers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import dmuon_fsdp.optimizer as optimizer_module
+from dmuon_fsdp import DMuonFSDP
+from spawn import run_ranks
+from test_equivalence import ShapesModel, gradients, make_groups
+
+GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "all_reduce",
+           "reduce_scatter_tensor", "gather", "scatter")  # fmt: skip
+
+
+def counted_step(rank, world_size, overlap):
+    torch.manual_seed(0)
+    model = ShapesModel()
+    for holder in model.holders.values():
+        fully_shard(holder)
+    fully_shard(model)
+    # Buckets of at most 256 KiB split the 12 matrices into several buckets.
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, bucket_bytes=2**18, overlap=overlap)
+    grads = {n: g.float() for n, g in gradients(0).items()}
+    model(grads).backward()
+
+    calls = {name: 0 for name in GATHERS + ("full_tensor", "redistribute")}
+    a2a = []
+    ns_rows = []
+    originals = {}
+
+    def wrap(owner, name, record):
+        original = getattr(owner, name)
+        originals[(owner, name)] = original
+
+        def wrapper(*args, **kwargs):
+            record(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    def record_a2a(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        a2a.append((list(output_split_sizes), list(input_split_sizes), input.element_size()))
+
+    wrap(dist, "all_to_all_single", record_a2a)
+    for name in GATHERS:
+        wrap(dist, name, lambda *a, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1))
+    for name in ("full_tensor", "redistribute"):
+        wrap(DTensor, name, lambda *a, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1))
+    wrap(optimizer_module, "newton_schulz", lambda m, *a, **k: ns_rows.append(m.shape[0]))
+    try:
+        opt.step()
+    finally:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+
+    entries = [(g, p, None) for g in opt.param_groups if g["use_muon"] for p in g["params"]]
+    plan = opt.plan_for(entries)
+    expected_splits = []
+    for bucket in plan.buckets:
+        expected_splits.append((plan.receive_counts(bucket, rank), plan.send_counts(bucket, rank)))
+    for bucket in plan.buckets:
+        expected_splits.append((plan.send_counts(bucket, rank), plan.receive_counts(bucket, rank)))
+    sent_elsewhere = sum(sum(inp) - inp[rank] for _, inp, _ in a2a)
+    return {
+        "buckets": len(plan.buckets),
+        "a2a": a2a,
+        "expected_splits": expected_splits,
+        "calls": calls,
+        "sent_bytes": sent_elsewhere * 4,
+        "planned_bytes": plan.elements_moved(rank) * 4,
+        "ns_matrices": sum(ns_rows),
+        "owned": sum(1 for o in plan.owners if o == rank),
+        "matrices": len(plan.matrices),
+    }
+
+
+@pytest.mark.parametrize("world_size,overlap", [(3, True), (4, False)])
+def test_step_communication_matches_plan(world_size, overlap):
+    results = run_ranks(counted_step, world_size, overlap)
+    for rank, r in enumerate(results):
+        assert r["buckets"] >= 3, "the test should exercise several buckets"
+        assert len(r["a2a"]) == 2 * r["buckets"], f"rank {rank}: {len(r['a2a'])} all-to-alls"
+        got = sorted((out, inp) for out, inp, _ in r["a2a"])
+        assert got == sorted(tuple(e) for e in r["expected_splits"]), f"rank {rank}: split sizes"
+        assert all(size == 4 for _, _, size in r["a2a"]), "fp32 NS means fp32 on the wire"
+        assert r["sent_bytes"] == r["planned_bytes"] > 0
+        assert not any(r["calls"].values()), f"rank {rank} gathered: {r['calls']}"
+        assert r["ns_matrices"] == r["owned"], f"rank {rank} orthogonalized matrices it does not own"
+    assert sum(r["owned"] for r in results) == results[0]["matrices"]
+    assert sum(r["ns_matrices"] for r in results) == results[0]["matrices"]

@@ -1,0 +1,107 @@
+"""The planner alone: no processes, no collectives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dmuon_fsdp.planner import (
+    MatrixLayout,
+    assignment_lower_bound,
+    build_plan,
+    chunk_row_counts,
+)
+from model_shapes import LLAMA_SHAPES
+
+
+def layouts(shapes, world_size, ns_steps=5):
+    return [
+        MatrixLayout(f"m{i}", r, c, chunk_row_counts(r, world_size), ns_steps)
+        for i, (r, c) in enumerate(shapes)
+    ]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 18, 37, 64, 100])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8, 16])
+def test_row_counts_follow_torch_chunk(rows, world_size):
+    chunks = [c.shape[0] for c in torch.empty(rows, 1).chunk(world_size)] if rows else []
+    expected = chunks + [0] * (world_size - len(chunks))
+    assert list(chunk_row_counts(rows, world_size)) == expected
+
+
+def test_row_counts_documented_examples():
+    assert chunk_row_counts(5, 4) == (2, 2, 1, 0)
+    assert chunk_row_counts(18, 8) == (3, 3, 3, 3, 3, 3, 0, 0)
+
+
+SHAPE_MIX = [(5, 256), (1, 128), (37, 64), (768, 256), (256, 768), (64, 64), (64, 64), (6, 27)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_every_matrix_has_one_owner_and_splits_match(world_size):
+    plan = build_plan(layouts(SHAPE_MIX, world_size), world_size, bucket_bytes=300_000, element_size=4)
+    in_buckets = sorted(j for b in plan.buckets for j in b.matrices)
+    assert in_buckets == list(range(len(SHAPE_MIX))), "each matrix in exactly one bucket"
+    assert all(0 <= o < world_size for o in plan.owners)
+    for bucket in plan.buckets:
+        size = sum(plan.matrices[j].numel * 4 for j in bucket.matrices)
+        assert size <= 300_000 or len(bucket.matrices) == 1
+        # What rank r sends to owner o is what o expects from r.
+        for r in range(world_size):
+            for o in range(world_size):
+                assert plan.send_counts(bucket, r)[o] == plan.receive_counts(bucket, o)[r]
+    total = sum(m.numel for m in plan.matrices)
+    moved = sum(plan.elements_moved(r) for r in range(world_size))
+    kept = sum(m.row_counts[plan.owners[j]] * m.cols for j, m in enumerate(plan.matrices))
+    assert moved == 2 * (total - kept)
+
+
+def _plan_signature(world_size):
+    plan = build_plan(layouts(LLAMA_SHAPES["gpt2-124m"], world_size), world_size, 2**24, 2)
+    return [list(plan.owners), [list(b.matrices) for b in plan.buckets]]
+
+
+def test_plans_identical_across_simulated_ranks():
+    # Each rank builds its plan in its own interpreter; different hash seeds must not matter.
+    code = (
+        "import json, sys; sys.path[:0] = sys.argv[1:3]; "
+        "from test_planner import _plan_signature; print(json.dumps(_plan_signature(16)))"
+    )
+    here = os.path.dirname(__file__)
+    root = os.path.dirname(here)
+    outputs = set()
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code, here, root], env=env, check=True,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        outputs.add(out.strip())
+    assert len(outputs) == 1
+    assert json.loads(outputs.pop()) == _plan_signature(16)
+
+
+@pytest.mark.parametrize("model", sorted(LLAMA_SHAPES))
+@pytest.mark.parametrize("world_size", [8, 16, 64])
+def test_busiest_rank_near_assignment_lower_bound(model, world_size):
+    matrices = layouts(LLAMA_SHAPES[model], world_size)
+    plan = build_plan(matrices, world_size, 2**30, 2)
+    loads = plan.loads()
+    bound = assignment_lower_bound([m.cost for m in matrices], world_size)
+    assert sum(loads) == sum(m.cost for m in matrices)
+    assert max(loads) <= 1.05 * bound, f"busiest {max(loads)} vs bound {bound}"
+
+
+def test_lower_bound_terms():
+    assert assignment_lower_bound([4, 4, 4], 2) == 8  # two of three equal matrices share a rank
+    assert assignment_lower_bound([10, 1, 1], 2) == 10  # the largest matrix alone
+    assert assignment_lower_bound([3, 3, 3, 3], 2) == 6  # the mean
+
+
+def test_rejects_row_counts_that_do_not_split_the_matrix():
+    bad = MatrixLayout("w", 5, 3, (2, 2), 5)
+    with pytest.raises(ValueError, match="'w'"):
+        build_plan([bad], 2, 2**20, 4)

@@ -1,0 +1,170 @@
+"""No process group: plain tensors, schedulers, state_dict, routing and argument errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon_fsdp import DMuonFSDP, param_groups
+from reference import reference_muon_step, relative_error
+from test_equivalence import (
+    SHAPES,
+    STEPS,
+    VECTORS,
+    ShapesModel,
+    gradients,
+    initial_params,
+    make_groups,
+    reference_run,
+)
+
+
+def test_plain_tensors_without_process_group_match_reference():
+    assert not dist.is_initialized()
+    model = ShapesModel()
+    with torch.no_grad():
+        for name, p in initial_params().items():
+            model.holders[name].weight.copy_(p)
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
+    for step in range(STEPS):
+        model({n: g.float() for n, g in gradients(step).items()}).backward()
+        opt.step()
+        opt.zero_grad()
+    expected, bufs = reference_run()
+    for name in SHAPES:
+        p = model.holders[name].weight
+        assert relative_error(p.detach(), expected[name]) < 1e-5, name
+        if name not in VECTORS:
+            assert relative_error(opt.state[p]["momentum_buffer"], bufs[name]) < 1e-5, name
+
+
+def test_scheduler_changes_the_step_of_both_muon_and_adamw_parts():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(6, 10, dtype=torch.float64))
+    b = nn.Parameter(torch.randn(6, dtype=torch.float64))
+    opt = DMuonFSDP([w, b], lr=0.1, momentum=0.9, ns_dtype=torch.float64, adamw_lr=0.01)
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    ref_w, buf = w.detach().clone(), torch.zeros_like(w)
+    ref_b = b.detach().clone().requires_grad_()
+    ref_adamw = torch.optim.AdamW([ref_b], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_adamw, lambda s: 0.5**s)
+    for step in range(3):
+        gw, gb = torch.randn_like(w), torch.randn_like(b)
+        w.grad, b.grad, ref_b.grad = gw, gb, gb.clone()
+        opt.step()
+        reference_muon_step(ref_w, gw, buf, lr=0.1 * 0.5**step, momentum=0.9, nesterov=True,
+                            weight_decay=0.0, coefficients=(3.4445, -4.7750, 2.0315), steps=5,
+                            eps=1e-7, adjust_lr_fn=None)  # fmt: skip
+        ref_adamw.step()
+        sched.step()
+        ref_sched.step()
+    assert relative_error(w.detach(), ref_w) < 1e-12
+    assert relative_error(b.detach(), ref_b.detach()) < 1e-12
+
+
+def test_state_exists_at_construction_and_round_trips():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = DMuonFSDP(model.parameters(), lr=0.05)
+    state = opt.state_dict()["state"]
+    assert sorted(state) == [0, 1, 2, 3]
+    # Group 0 holds the two weights (Muon), group 1 the two biases (AdamW).
+    assert [set(state[i]) == {"momentum_buffer"} for i in range(4)] == [True, True, False, False]
+    assert set(state[2]) == set(state[3]) == {"step", "exp_avg", "exp_avg_sq"}
+
+    def train(optimizer, steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x = torch.randn(32, 8, generator=gen)
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train(opt, 2, seed=1)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())  # state_dict() shares the live tensors
+    train(opt, 2, seed=2)
+    continued = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model.load_state_dict(saved_model)
+    fresh = DMuonFSDP(model.parameters(), lr=0.05)
+    fresh.load_state_dict(saved_opt)
+    train(fresh, 2, seed=2)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, continued[k]), k
+
+
+class TinyLM(nn.Module):
+    def __init__(self, tied):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.block = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_groups_route_embeddings_and_head_to_adamw(tied):
+    model = TinyLM(tied)
+    groups = param_groups(model, lr=0.03)
+    muon = [n for n, _ in groups[0]["params"]]
+    adamw = [n for n, _ in groups[1]["params"]]
+    assert muon == ["block.weight"] and groups[0]["lr"] == 0.03
+    expected = ["embed.weight", "block.bias", "norm.weight", "norm.bias"] + ([] if tied else ["head.weight"])
+    assert adamw == expected
+    opt = DMuonFSDP(groups, adamw_lr=1e-3)
+    assert opt.param_groups[1]["lr"] == 1e-3 and not opt.param_groups[1]["use_muon"]
+
+
+def test_param_groups_named_head():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    groups = param_groups(model, head="1")
+    assert [n for n, _ in groups[0]["params"]] == ["0.weight"]
+    assert "1.weight" in [n for n, _ in groups[1]["params"]]
+
+
+def test_named_parameters_and_mixed_group_split():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    opt = DMuonFSDP(model.named_parameters(), lr=0.02, adamw_lr=0.001, adamw_weight_decay=0.1)
+    assert [g["param_names"] for g in opt.param_groups] == [["0.weight", "1.weight"], ["0.bias", "1.bias"]]
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(0.02, 0.0), (0.001, 0.1)]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(lr=-1.0), "lr"),
+        (dict(momentum=1.0), "momentum"),
+        (dict(ns_steps=0), "ns_steps"),
+        (dict(adjust_lr_fn="nope"), "adjust_lr_fn"),
+        (dict(ns_coefficients=[(1.0, 2.0)]), "ns_coefficients"),
+        (dict(weight_decay=math.nan), "weight_decay"),
+        (dict(bucket_bytes=0), "bucket_bytes"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DMuonFSDP([nn.Parameter(torch.zeros(3, 3))], **kwargs)
+
+
+def test_use_muon_on_a_vector_names_it():
+    with pytest.raises(ValueError, match="'bias'|bias"):
+        DMuonFSDP([{"params": [("bias", nn.Parameter(torch.zeros(3)))], "use_muon": True}])
+
+
+def test_optimizer_wide_option_in_a_group_raises():
+    with pytest.raises(ValueError, match="ns_dtype"):
+        DMuonFSDP([{"params": [nn.Parameter(torch.zeros(3, 3))], "ns_dtype": torch.float64}])
+
+
+def test_empty_parameter_list_raises():
+    with pytest.raises(ValueError, match="empty"):
+        DMuonFSDP([])

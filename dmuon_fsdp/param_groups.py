@@ -13,12 +13,8 @@ def _output_heads(model: nn.Module, head: str | nn.Module | None) -> set[nn.Para
     if isinstance(head, nn.Module):
         return set(head.parameters())
     vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    return {
-        m.weight
-        for m in model.modules()
-        if isinstance(m, nn.Linear) and m.out_features in vocab_sizes
-    }
-
+    projections = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
+    return {projections[-1].weight} if projections else set()
 
 def param_groups(
     model: nn.Module,
@@ -29,9 +25,10 @@ def param_groups(
 
     AdamW gets every ``nn.Embedding`` weight, the output head and every parameter with fewer than
     two dims; Muon gets the remaining matrices (and conv kernels). The head is ``head`` (a
-    submodule or its qualified name) or, when not given, every ``nn.Linear`` whose ``out_features``
-    equals an embedding's ``num_embeddings`` (a vocabulary projection); a head tied to the
-    embedding is the embedding's own parameter. ``muon_options`` (lr, weight_decay, ...) go into
+    submodule or its qualified name) or, when not given, the last registered ``nn.Linear`` whose
+    ``out_features`` equals an embedding's ``num_embeddings`` (the vocabulary projection); a head
+    tied to the embedding is the embedding's own parameter. Pass ``head=`` when the heuristic
+    does not fit the model. ``muon_options`` (lr, weight_decay, ...) go into
     the Muon group; AdamW options come from the optimizer's ``adamw_*`` arguments. Works before
     or after ``fully_shard``. Groups carry parameter names, so errors name the parameter.
 

@@ -1,4 +1,5 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(__file__)
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "scripts")]

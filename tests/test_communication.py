@@ -17,20 +17,22 @@ GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadca
            "reduce_scatter_tensor", "gather", "scatter")  # fmt: skip
 
 
-def counted_step(rank, world_size, overlap):
+def counted_step(rank, world_size, overlap, comm_dtype):
     torch.manual_seed(0)
     model = ShapesModel()
     for holder in model.holders.values():
         fully_shard(holder)
     fully_shard(model)
     # Buckets of at most 256 KiB split the 12 matrices into several buckets.
-    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, bucket_bytes=2**18, overlap=overlap)
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, comm_dtype=comm_dtype, bucket_bytes=2**18,
+                    overlap=overlap)
     grads = {n: g.float() for n, g in gradients(0).items()}
     model(grads).backward()
 
     calls = {name: 0 for name in GATHERS + ("full_tensor", "redistribute")}
     a2a = []
     ns_rows = []
+    events = []
     originals = {}
 
     def wrap(owner, name, record):
@@ -45,6 +47,7 @@ def counted_step(rank, world_size, overlap):
 
     def record_a2a(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
         a2a.append((list(output_split_sizes), list(input_split_sizes), input.element_size()))
+        events.append("a2a")
 
     wrap(dist, "all_to_all_single", record_a2a)
     for name in GATHERS:
@@ -52,6 +55,7 @@ def counted_step(rank, world_size, overlap):
     for name in ("full_tensor", "redistribute"):
         wrap(DTensor, name, lambda *a, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1))
     wrap(optimizer_module, "newton_schulz", lambda m, *a, **k: ns_rows.append(m.shape[0]))
+    wrap(DMuonFSDP, "_orthogonalize", lambda *a, **k: events.append("ns"))  # once per bucket
     try:
         opt.step()
     finally:
@@ -66,30 +70,39 @@ def counted_step(rank, world_size, overlap):
     for bucket in plan.buckets:
         expected_splits.append((plan.send_counts(bucket, rank), plan.receive_counts(bucket, rank)))
     sent_elsewhere = sum(sum(inp) - inp[rank] for _, inp, _ in a2a)
+    size = torch.empty((), dtype=comm_dtype).element_size()
     return {
         "buckets": len(plan.buckets),
         "a2a": a2a,
         "expected_splits": expected_splits,
         "calls": calls,
-        "sent_bytes": sent_elsewhere * 4,
-        "planned_bytes": plan.elements_moved(rank) * 4,
+        "element_size": size,
+        "sent_bytes": sent_elsewhere * size,
+        "planned_bytes": plan.elements_moved(rank) * size,
+        "a2a_before_first_ns": events.index("ns") if "ns" in events else None,
         "ns_matrices": sum(ns_rows),
         "owned": sum(1 for o in plan.owners if o == rank),
         "matrices": len(plan.matrices),
     }
 
 
-@pytest.mark.parametrize("world_size,overlap", [(3, True), (4, False)])
-def test_step_communication_matches_plan(world_size, overlap):
-    results = run_ranks(counted_step, world_size, overlap)
+@pytest.mark.parametrize(
+    "world_size,overlap,comm_dtype",
+    [(3, True, torch.float32), (4, False, torch.float32), (2, True, torch.bfloat16)],
+)
+def test_step_communication_matches_plan(world_size, overlap, comm_dtype):
+    results = run_ranks(counted_step, world_size, overlap, comm_dtype)
     for rank, r in enumerate(results):
         assert r["buckets"] >= 3, "the test should exercise several buckets"
         assert len(r["a2a"]) == 2 * r["buckets"], f"rank {rank}: {len(r['a2a'])} all-to-alls"
         got = sorted((out, inp) for out, inp, _ in r["a2a"])
         assert got == sorted(tuple(e) for e in r["expected_splits"]), f"rank {rank}: split sizes"
-        assert all(size == 4 for _, _, size in r["a2a"]), "fp32 NS means fp32 on the wire"
+        assert all(size == r["element_size"] for _, _, size in r["a2a"]), "comm_dtype on the wire"
         assert r["sent_bytes"] == r["planned_bytes"] > 0
         assert not any(r["calls"].values()), f"rank {rank} gathered: {r['calls']}"
         assert r["ns_matrices"] == r["owned"], f"rank {rank} orthogonalized matrices it does not own"
+        if r["a2a_before_first_ns"] is not None:
+            # With overlap, bucket 1's exchange is in flight before bucket 0's NS starts.
+            assert r["a2a_before_first_ns"] == (2 if overlap else 1)
     assert sum(r["owned"] for r in results) == results[0]["matrices"]
     assert sum(r["ns_matrices"] for r in results) == results[0]["matrices"]

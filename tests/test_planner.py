@@ -69,15 +69,16 @@ def _plan_signature(world_size):
 def test_plans_identical_across_simulated_ranks():
     # Each rank builds its plan in its own interpreter; different hash seeds must not matter.
     code = (
-        "import json, sys; sys.path[:0] = sys.argv[1:3]; "
+        "import json, sys; sys.path[:0] = sys.argv[1:]; "
         "from test_planner import _plan_signature; print(json.dumps(_plan_signature(16)))"
     )
-    here = os.path.dirname(__file__)
+    here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
+    paths = [here, os.path.join(root, "scripts"), root]
     outputs = set()
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", code, here, root], env=env, check=True,
+        out = subprocess.run([sys.executable, "-c", code, *paths], env=env, check=True,
                              capture_output=True, text=True).stdout  # fmt: skip
         outputs.add(out.strip())
     assert len(outputs) == 1

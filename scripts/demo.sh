@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The main job: set up .venv if needed, then train the demo model on 2 CPU ranks (or every GPU)
-# with DMuonFSDP and with AdamW, same seed and data, and print the comparison.
+# The main job: set up .venv if needed, then pretrain the cpu-demo Llama-style model on the Python
+# standard library's source with DMuonFSDP and with AdamW (same seed, data and steps), on 2 CPU
+# ranks (or every GPU when present), and print the summary table; the loss plot goes to
+# runs/demo/loss.png. Extra arguments go to recipes/pretrain.py (e.g. --steps 100).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -11,13 +13,7 @@ else
 fi
 OUT=${OUT:-runs/demo}
 for opt in dmuon adamw; do
-    .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" scripts/demo_train.py --optimizer "$opt" --out "$OUT" "$@"
+    .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" recipes/pretrain.py \
+        --preset "${PRESET:-cpu-demo}" --optimizer "$opt" --run-dir "$OUT/$opt" "$@"
 done
-.venv/bin/python - "$OUT" <<'PY'
-import json, sys
-rows = [json.load(open(f"{sys.argv[1]}/{o}.json")) for o in ("dmuon", "adamw")]
-print("\n| optimizer | ranks | steps | validation loss | median optimizer step (ms) |")
-print("|---|---:|---:|---:|---:|")
-for r in rows:
-    print(f"| {r['optimizer']} | {r['world_size']} | {r['steps']} | {r['val_loss']:.4f} | {r['median_opt_step_ms']:.2f} |")
-PY
+.venv/bin/python recipes/report.py "$OUT"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install dmuon_fsdp with its dev extra.
+# Create .venv (if missing) and install dmuon_fsdp with its dev and recipes extras.
 # On a machine without an NVIDIA GPU, torch is pinned first to the CPU build so that pip never
 # pulls the multi-GB CUDA wheels; set DMUON_TORCH to choose another torch requirement.
 set -euo pipefail
@@ -16,4 +16,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     fi
     .venv/bin/python -m pip install -q "$TORCH_REQ"
 fi
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e ".[dev,recipes]"

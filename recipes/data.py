@@ -1,0 +1,131 @@
+"""Token data with no download: the Python standard library's own source, or your own corpus.
+
+A corpus is two flat token streams (train, validation). Batches are random windows drawn from a
+generator seeded by (seed, step), so the data of any step is known without replaying earlier
+steps: resuming needs only the step number, and the global batch of a step is the same at any
+world size. Rank r of W takes rows [r * B / W, (r + 1) * B / W) of the global batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VAL_FRACTION = 0.05
+
+
+@dataclass
+class Corpus:
+    train: torch.Tensor  # int32 token ids
+    val: torch.Tensor
+    vocab_size: int
+    description: str
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files, in a fixed (sorted) order; site-packages excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+
+
+def _write_tokens(path: Path, tokens: bytes) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(tokens)
+    tmp.replace(path)
+
+
+def _read_uint16(path: Path) -> torch.Tensor:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size % 2:
+            raise ValueError(f"{path}: {size} bytes is not a whole number of uint16 tokens")
+        if size == 0:
+            return torch.empty(0, dtype=torch.long)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            raw = torch.frombuffer(bytearray(m), dtype=torch.int16)
+    return raw.to(torch.int32) & 0xFFFF
+
+
+def stdlib_corpus(cache_dir: str | Path, max_files: int | None = None) -> Corpus:
+    """Byte-level tokens (vocab 256) of the stdlib source; every 20th file goes to validation.
+
+    Tokens are cached as uint16 files in ``cache_dir``, keyed by the file list.
+    """
+    files = stdlib_files()[:max_files]
+    if not files:
+        raise FileNotFoundError(f"no .py files under {sysconfig.get_paths()['stdlib']}")
+    key = hashlib.sha1("\n".join(str(p) for p in files).encode()).hexdigest()[:12]
+    cache = Path(cache_dir)
+    paths = {split: cache / f"stdlib-{key}-{split}.bin" for split in ("train", "val")}
+    if not all(p.exists() for p in paths.values()):
+        cache.mkdir(parents=True, exist_ok=True)
+        chunks: dict[str, list[bytes]] = {"train": [], "val": []}
+        for i, path in enumerate(files):
+            split = "val" if i % 20 == 19 else "train"
+            chunks[split].append(path.read_bytes())
+        for split, path in paths.items():
+            data = b"".join(chunks[split])
+            as_uint16 = bytearray(2 * len(data))  # little-endian: low byte = the byte, high = 0
+            as_uint16[0::2] = data
+            _write_tokens(path, bytes(as_uint16))
+    train, val = (_read_uint16(paths[s]) for s in ("train", "val"))
+    return Corpus(train, val, 256, f"python stdlib source, {len(files)} files")
+
+
+def token_file_corpus(path: str | Path, vocab_size: int | None = None) -> Corpus:
+    """A nanoGPT-style uint16 token file; validation is ``val.bin`` beside it, or its last 5%."""
+    path = Path(path)
+    tokens = _read_uint16(path)
+    val_path = path.with_name("val.bin")
+    if val_path.exists() and val_path != path:
+        train, val = tokens, _read_uint16(val_path)
+    else:
+        cut = int(len(tokens) * (1 - VAL_FRACTION))
+        train, val = tokens[:cut], tokens[cut:]
+    vocab = vocab_size or int(max(train.max(), val.max())) + 1
+    return Corpus(train, val, vocab, f"token file {path}")
+
+
+def text_corpus(path: str | Path) -> Corpus:
+    """A plain text file at byte level; its last 5% is validation."""
+    data = Path(path).read_bytes()
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32)
+    cut = int(len(tokens) * (1 - VAL_FRACTION))
+    return Corpus(tokens[:cut], tokens[cut:], 256, f"text file {path}")
+
+
+def batch_for_step(
+    tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int, step: int, rank: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets) of the global batch of ``step``: random windows of seq_len + 1."""
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} is not divisible by {world_size} ranks")
+    if len(tokens) <= seq_len + 1:
+        raise ValueError(f"{len(tokens)} tokens are too few for windows of {seq_len + 1}")
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (global_batch,), generator=gen)
+    per_rank = global_batch // world_size
+    mine = starts[rank * per_rank : (rank + 1) * per_rank]
+    windows = tokens[mine[:, None] + torch.arange(seq_len + 1)].long()
+    return windows[:, :-1], windows[:, 1:]
+
+
+def validation_batches(
+    tokens: torch.Tensor, seq_len: int, rows: int, batches: int, rank: int, world_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed, evenly spaced windows over the validation stream, split across ranks."""
+    count = rows * batches * world_size
+    stride = max(1, (len(tokens) - seq_len - 1) // count)
+    starts = torch.arange(count) * stride
+    mine = starts[rank::world_size][: rows * batches].view(batches, rows)
+    out = []
+    for row_starts in mine:
+        windows = tokens[row_starts[:, None] + torch.arange(seq_len + 1)].long()
+        out.append((windows[:, :-1], windows[:, 1:]))
+    return out

@@ -1,0 +1,146 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention, optional
+tied embeddings, with named size presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    seq_len: int
+    vocab_size: int = 256
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+
+PRESETS = {
+    # For tests: a few seconds on CPU.
+    "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=32),
+    # The README's main job: a few minutes on 2 CPU ranks.
+    "cpu-demo": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, seq_len=128),
+    "124m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, seq_len=1024,
+                        vocab_size=50304, tie_embeddings=True),  # fmt: skip
+    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, seq_len=2048,
+                      vocab_size=50304, tie_embeddings=True),  # fmt: skip
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of x (batch, heads, time, head_dim) by position-dependent angles."""
+    pairs = rearrange(x.float(), "... (d two) -> ... d two", two=2)
+    real, imag = pairs.unbind(-1)
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rearrange(rotated, "... d two -> ... (d two)").type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(f"dim {cfg.dim}, n_heads {cfg.n_heads}, n_kv_heads {cfg.n_kv_heads} do not divide")
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = rearrange(self.wq(x), "b t (h d) -> b h t d", h=self.n_heads)
+        k = rearrange(self.wk(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
+        v = rearrange(self.wv(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        repeat = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(rearrange(out, "b h t d -> b t (h d)"))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+        for block in self.layers:  # scaled residual projections, as in GPT-2
+            for proj in (block.attention.wo, block.feed_forward.w2):
+                nn.init.normal_(proj.weight, std=0.02 / (2 * self.cfg.n_layers) ** 0.5)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, time, vocab), or the mean cross-entropy when ``targets`` are given."""
+        t = tokens.shape[1]
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            h = block(h, cos, sin)
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp.planner import Bucket, Plan
+from dmuon_fsdp.stats import StepStats
 
 
 @dataclass
@@ -37,20 +38,30 @@ class Pending:
 class ShardExchange:
     """Exchanges for one plan, seen from one rank of ``group`` (None: a single process)."""
 
-    def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup | None, dtype: torch.dtype):
+    def __init__(
+        self, plan: Plan, rank: int, group: dist.ProcessGroup | None, dtype: torch.dtype, stats: StepStats
+    ):
         if group is None and plan.world_size != 1:
             raise ValueError(f"a plan over {plan.world_size} ranks needs a process group")
-        self.plan, self.rank, self.group, self.dtype = plan, rank, group, dtype
+        self.plan, self.rank, self.group, self.dtype, self.stats = plan, rank, group, dtype, stats
 
     def _launch(self, bucket: Bucket, send: Tensor, out_counts: list[int], in_counts: list[int]) -> Pending:
         receive = torch.empty(sum(out_counts), dtype=self.dtype, device=send.device)
+        size = send.element_size()
+        self.stats.bytes_sent += (sum(in_counts) - in_counts[self.rank]) * size
+        self.stats.bytes_received += (sum(out_counts) - out_counts[self.rank]) * size
         if self.group is None:
             receive.copy_(send)
             return Pending(bucket, send, receive, None)
         work = dist.all_to_all_single(
             receive, send, out_counts, in_counts, group=self.group, async_op=True
         )
+        self.stats.collectives += 1
         return Pending(bucket, send, receive, work)
+
+    def _wait(self, pending: Pending) -> Tensor:
+        with self.stats.phase("wait"):
+            return pending.wait()
 
     def start_gather(self, bucket: Bucket, local_rows: dict[int, Tensor], device: torch.device) -> Pending:
         """Send this rank's rows of each matrix in ``bucket`` to its owner.
@@ -59,20 +70,21 @@ class ShardExchange:
         """
         plan = self.plan
         counts = plan.send_counts(bucket, self.rank)
-        send = torch.empty(sum(counts), dtype=self.dtype, device=device)
-        offset = 0
-        for owner in range(plan.world_size):
-            for j in bucket.matrices:
-                if plan.owners[j] == owner:
-                    block = local_rows[j]
-                    send[offset : offset + block.numel()].view_as(block).copy_(block)
-                    offset += block.numel()
+        with self.stats.phase("pack"):
+            send = torch.empty(sum(counts), dtype=self.dtype, device=device)
+            offset = 0
+            for owner in range(plan.world_size):
+                for j in bucket.matrices:
+                    if plan.owners[j] == owner:
+                        block = local_rows[j]
+                        send[offset : offset + block.numel()].view_as(block).copy_(block)
+                        offset += block.numel()
         return self._launch(bucket, send, plan.receive_counts(bucket, self.rank), counts)
 
     def finish_gather(self, pending: Pending) -> dict[int, Tensor]:
         """Wait, then reassemble the full (rows, cols) matrices this rank owns in the bucket."""
         plan = self.plan
-        receive = pending.wait()
+        receive = self._wait(pending)
         owned = plan.owned_by(pending.bucket, self.rank)
         pieces: dict[int, list[Tensor]] = {j: [] for j in owned}
         offset = 0
@@ -82,28 +94,30 @@ class ShardExchange:
                 size = m.row_counts[src] * m.cols
                 pieces[j].append(receive[offset : offset + size].view(m.row_counts[src], m.cols))
                 offset += size
-        return {j: torch.cat(pieces[j]) for j in owned}
+        with self.stats.phase("pack"):
+            return {j: torch.cat(pieces[j]) for j in owned}
 
     def start_scatter(self, bucket: Bucket, results: dict[int, Tensor], device: torch.device) -> Pending:
         """Send every rank its rows of each orthogonalized matrix this rank owns in the bucket."""
         plan = self.plan
         owned = plan.owned_by(bucket, self.rank)
         out_counts = plan.receive_counts(bucket, self.rank)
-        send = torch.empty(sum(out_counts), dtype=self.dtype, device=device)
-        offset = 0
-        for dst in range(plan.world_size):
-            for j in owned:
-                m = plan.matrices[j]
-                start, rows = m.row_offsets[dst], m.row_counts[dst]
-                block = send[offset : offset + rows * m.cols].view(rows, m.cols)
-                block.copy_(results[j][start : start + rows])
-                offset += rows * m.cols
+        with self.stats.phase("pack"):
+            send = torch.empty(sum(out_counts), dtype=self.dtype, device=device)
+            offset = 0
+            for dst in range(plan.world_size):
+                for j in owned:
+                    m = plan.matrices[j]
+                    start, rows = m.row_offsets[dst], m.row_counts[dst]
+                    block = send[offset : offset + rows * m.cols].view(rows, m.cols)
+                    block.copy_(results[j][start : start + rows])
+                    offset += rows * m.cols
         return self._launch(bucket, send, plan.send_counts(bucket, self.rank), out_counts)
 
     def finish_scatter(self, pending: Pending) -> dict[int, Tensor]:
         """Wait, then return this rank's (row_counts[rank], cols) block of each bucket matrix."""
         plan = self.plan
-        receive = pending.wait()
+        receive = self._wait(pending)
         blocks: dict[int, Tensor] = {}
         offset = 0
         for owner in range(plan.world_size):

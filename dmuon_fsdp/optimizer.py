@@ -17,12 +17,14 @@ from dmuon_fsdp.newton_schulz import (
     MUON_COEFFICIENTS,
     default_ns_dtype,
     newton_schulz,
+    newton_schulz_flops,
     resolve_coefficients,
 )
 from dmuon_fsdp.planner import MatrixLayout, Plan, build_plan, describe_param
+from dmuon_fsdp.stats import StepStats
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-_OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap")
+_OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -50,6 +52,9 @@ class DMuonFSDP(Optimizer):
       parameters routed to AdamW.
     - ``bucket_bytes``: bound on the full-matrix bytes exchanged per bucket; ``overlap``: launch
       bucket k+1's exchange before bucket k's Newton-Schulz (False: strictly one after another).
+    - ``time_phases``: record wall time per phase in ``last_step_stats`` (synchronizes the device
+      at phase boundaries on accelerators; for benchmarks). NS flops and bytes on the wire are
+      recorded in ``last_step_stats`` either way.
 
     Routing: within a group, parameters with ndim >= 2 use Muon and the others AdamW; a group's
     ``use_muon`` (True/False) overrides that. A group that mixes both is split into a Muon group
@@ -61,7 +66,8 @@ class DMuonFSDP(Optimizer):
     sends those to AdamW. Weights with ndim > 2 are orthogonalized as (dim0, -1) matrices and
     their lr scale uses that shape.
 
-    ``ns_dtype``, ``comm_dtype``, ``bucket_bytes`` and ``overlap`` are optimizer-wide. State for
+    ``ns_dtype``, ``comm_dtype``, ``bucket_bytes``, ``overlap`` and ``time_phases`` are
+    optimizer-wide. State for
     every parameter exists from construction; momentum buffers are placed like their parameters.
     """
 
@@ -84,11 +90,14 @@ class DMuonFSDP(Optimizer):
         adamw_weight_decay: float = 0.0,
         bucket_bytes: int = 128 * 2**20,
         overlap: bool = True,
+        time_phases: bool = False,
     ):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.ns_dtype, self.comm_dtype = ns_dtype, comm_dtype
         self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
+        self.time_phases = bool(time_phases)
+        self.last_step_stats: StepStats | None = None
         self._names: dict[Tensor, str] = {}
         self._mesh_owner: tuple[Any, str] | None = None
         self._plan_key: tuple | None = None
@@ -201,26 +210,30 @@ class DMuonFSDP(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        stats = StepStats(device, timed=self.time_phases)
         entries: list[tuple[dict[str, Any], Tensor, Tensor]] = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [_local(p.grad) for p in params]
-            if group["use_muon"]:
-                buffers = [_local(self.state[p]["momentum_buffer"]) for p in params]
-                updates = elementwise.muon_momentum(grads, buffers, group["momentum"], group["nesterov"])
-                entries.extend((group, p, u) for p, u in zip(params, updates))
-            else:
-                states = [self.state[p] for p in params]
-                elementwise.adamw(
-                    [_local(p) for p in params], grads,
-                    [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
-                    [s["step"] for s in states], lr=float(group["lr"]), betas=group["betas"],
-                    eps=group["eps"], weight_decay=group["weight_decay"],
-                )  # fmt: skip
+        with stats.phase("elementwise"):
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                if not params:
+                    continue
+                grads = [_local(p.grad) for p in params]
+                if group["use_muon"]:
+                    buffers = [_local(self.state[p]["momentum_buffer"]) for p in params]
+                    updates = elementwise.muon_momentum(grads, buffers, group["momentum"], group["nesterov"])
+                    entries.extend((group, p, u) for p, u in zip(params, updates))
+                else:
+                    states = [self.state[p] for p in params]
+                    elementwise.adamw(
+                        [_local(p) for p in params], grads,
+                        [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+                        [s["step"] for s in states], lr=float(group["lr"]), betas=group["betas"],
+                        eps=group["eps"], weight_decay=group["weight_decay"],
+                    )  # fmt: skip
         if entries:
-            self._muon_update(entries)
+            self._muon_update(entries, stats)
+        self.last_step_stats = stats
         return loss
 
     def plan_for(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]]) -> Plan:
@@ -239,11 +252,11 @@ class DMuonFSDP(Optimizer):
     def _comm_dtype(self, device: torch.device) -> torch.dtype:
         return self.comm_dtype or self._ns_dtype(device)
 
-    def _muon_update(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]]) -> None:
+    def _muon_update(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]], stats: StepStats) -> None:
         plan = self.plan_for(entries)
         device = entries[0][2].device
         group, rank = comm.process_group_of(entries[0][1])
-        exchange = comm.ShardExchange(plan, rank, group, self._comm_dtype(device))
+        exchange = comm.ShardExchange(plan, rank, group, self._comm_dtype(device), stats)
         local_rows = {
             j: update.reshape(m.row_counts[rank], m.cols)
             for j, ((_, _, update), m) in enumerate(zip(entries, plan.matrices))
@@ -256,14 +269,17 @@ class DMuonFSDP(Optimizer):
                 if ahead not in gathers:
                     gathers[ahead] = exchange.start_gather(plan.buckets[ahead], local_rows, device)
             full = exchange.finish_gather(gathers.pop(k))
-            results = self._orthogonalize(full, entries, device)
+            with stats.phase("newton_schulz"):
+                results = self._orthogonalize(full, entries, device)
+            for j, matrix in full.items():
+                stats.ns_flops += newton_schulz_flops(*matrix.shape, entries[j][0]["ns_steps"])
             scatter = exchange.start_scatter(bucket, results, device)
             if self.overlap:
                 scatters.append(scatter)
             else:
-                self._apply(exchange.finish_scatter(scatter), entries, plan)
+                self._apply(exchange.finish_scatter(scatter), entries, plan, stats)
         for scatter in scatters:
-            self._apply(exchange.finish_scatter(scatter), entries, plan)
+            self._apply(exchange.finish_scatter(scatter), entries, plan, stats)
 
     def _orthogonalize(
         self, full: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], device: torch.device
@@ -282,16 +298,22 @@ class DMuonFSDP(Optimizer):
         return results
 
     def _apply(
-        self, blocks: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], plan: Plan
+        self,
+        blocks: dict[int, Tensor],
+        entries: list[tuple[dict[str, Any], Tensor, Tensor]],
+        plan: Plan,
+        stats: StepStats,
     ) -> None:
-        for j, block in blocks.items():
-            group, p, _ = entries[j]
-            m: MatrixLayout = plan.matrices[j]
-            lr = float(group["lr"])
-            local = _local(p)
-            if group["weight_decay"]:
-                local.mul_(1.0 - lr * group["weight_decay"])
-            local.add_(block.view(local.shape), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
+        with stats.phase("apply"):
+            for j, block in blocks.items():
+                group, p, _ = entries[j]
+                m: MatrixLayout = plan.matrices[j]
+                lr = float(group["lr"])
+                local = _local(p)
+                if group["weight_decay"]:
+                    local.mul_(1.0 - lr * group["weight_decay"])
+                scale = adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols)
+                local.add_(block.view(local.shape), alpha=-scale)
 
 
 def _check_common(group: dict[str, Any], *keys: str) -> None:

@@ -157,6 +157,35 @@ def assignment_lower_bound(costs: Sequence[int], world_size: int) -> float:
     return bound
 
 
+def _bins_needed(costs_desc: Sequence[int], capacity: float) -> int:
+    """Martello-Toth L2 lower bound on the bins of ``capacity`` that hold all items (sorted desc)."""
+    best = 0
+    for alpha in sorted({c for c in costs_desc if c <= capacity / 2} | {0}):
+        big = [c for c in costs_desc if c > capacity - alpha]
+        medium = [c for c in costs_desc if capacity / 2 < c <= capacity - alpha]
+        small = sum(c for c in costs_desc if alpha <= c <= capacity / 2)
+        spare = len(medium) * capacity - sum(medium)
+        best = max(best, len(big) + len(medium) + max(0, math.ceil((small - spare) / capacity)))
+    return best
+
+
+def makespan_lower_bound(costs: Sequence[int], world_size: int) -> float:
+    """A tighter bound than ``assignment_lower_bound``: the least capacity for which the L2 bin
+    packing bound does not exceed ``world_size`` bins (bisection to 0.1%)."""
+    ordered = sorted(costs, reverse=True)
+    low = assignment_lower_bound(ordered, world_size)
+    high = max(low, sum(ordered))
+    if not ordered or _bins_needed(ordered, low) <= world_size:
+        return low
+    while high - low > 1e-3 * low:
+        mid = (low + high) / 2
+        if _bins_needed(ordered, mid) > world_size:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 def assign_owners(costs: Sequence[int], world_size: int) -> tuple[list[int], list[int]]:
     """Longest-processing-time-first: biggest matrix first, each to the least-loaded rank.
 

@@ -30,6 +30,8 @@ PRESETS = {
     "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=32),
     # The README's main job: a few minutes on 2 CPU ranks.
     "cpu-demo": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, seq_len=128),
+    # Benchmarks on CPU: big enough that Newton-Schulz dominates the optimizer step.
+    "cpu-bench": ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=688, seq_len=128),
     "124m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, seq_len=1024,
                         vocab_size=50304, tie_embeddings=True),  # fmt: skip
     "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, seq_len=2048,

@@ -1,10 +1,16 @@
-"""Optimizer step time of DMuonFSDP vs AdamW, gather-all Muon and torch.optim.Muon on FSDP2.
+"""Optimizer step cost of DMuonFSDP against AdamW, gather-all Muon and torch.optim.Muon on FSDP2.
 
-Every contender steps the same FSDP2-sharded parameters with the same gradients. Reports, per
-contender, the median over timed steps of the slowest rank's step time, and ratios against
-DMuonFSDP measured in the same run.
+Every contender steps the same FSDP2-sharded recipe model with the same gradients, at one world
+size, in one run (spawned CPU ranks with gloo here, one GPU per rank with NCCL when CUDA is
+present). Reported per contender, after warm-up: median and spread of the slowest rank's step
+time and the total CPU time of all ranks; for DMuonFSDP also a phase breakdown, NS flops per rank
+(max/mean = load imbalance), bytes per rank against the plan's bound, and the matmul floor: the
+time plain ``torch.bmm`` takes for this rank's NS products, measured in the same run, giving
+NS efficiency = floor / measured NS time.
 
-    python scripts/bench_optimizer.py --world-size 2 --dim 256 --layers 4
+    python scripts/bench_optimizer.py --world-size 2
+    python scripts/bench_optimizer.py --world-size 4 --contenders adamw dmuon gather-muon
+    python scripts/bench_optimizer.py --ns-throughput       # one device: batched NS vs torch.mm
 """
 
 from __future__ import annotations
@@ -12,141 +18,210 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from dmuon_fsdp import DMuonFSDP  # noqa: E402
+from dmuon_fsdp import DMuonFSDP, param_groups  # noqa: E402
+from dmuon_fsdp.newton_schulz import default_ns_dtype  # noqa: E402
+from dmuon_fsdp.stats import PHASES  # noqa: E402
 from gather_muon import GatherAllMuon  # noqa: E402
+from matmul_floor import bmm_seconds, ns_throughput_report  # noqa: E402
+from recipes.model import PRESETS, Transformer, preset  # noqa: E402
+
+CONTENDERS = ["adamw", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap"]
 
 
-class Block(nn.Module):
-    """Llama-shaped matrices (q, k, v, o, gate, up, down) and a norm vector; only its parameters
-    matter here, the benchmark sets gradients directly."""
-
-    def __init__(self, dim: int, ffn: int):
-        super().__init__()
-        self.linears = nn.ModuleDict({n: nn.Linear(dim, dim, bias=False) for n in ("q", "k", "v", "o")})
-        self.linears.update({n: nn.Linear(dim, ffn, bias=False) for n in ("gate", "up")})
-        self.linears["down"] = nn.Linear(ffn, dim, bias=False)
-        self.norm = nn.LayerNorm(dim, bias=False)
-
-    def forward(self, x):
-        raise NotImplementedError
-
-
-class Stack(nn.Module):
-    def __init__(self, dim: int, layers: int, ffn: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(dim, ffn) for _ in range(layers))
-
-    def forward(self, x):
-        raise NotImplementedError
-
-
-def make_optimizer(name: str, params, dtype: torch.dtype):
+def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) -> list:
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    muon = [p for p in params if p.ndim >= 2]
-    adamw = [p for p in params if p.ndim < 2]
-    if name == "dmuon":
-        return DMuonFSDP(params, ns_dtype=dtype)
-    if name == "dmuon-no-overlap":
-        return DMuonFSDP(params, ns_dtype=dtype, overlap=False)
+        return [torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)]
+    groups = param_groups(model)
+    if name in ("dmuon", "dmuon-no-overlap"):
+        return [DMuonFSDP(groups, ns_dtype=ns_dtype, overlap=name == "dmuon")]
+    muon, adamw = ([p for _, p in g["params"]] for g in groups)
+    rest = torch.optim.AdamW(adamw, lr=1e-3, foreach=True)
     if name == "gather-muon":
-        return [GatherAllMuon(muon, ns_dtype=dtype), torch.optim.AdamW(adamw, foreach=True)]
+        return [GatherAllMuon(muon, ns_dtype=ns_dtype), rest]
     if name == "torch-muon":
-        return [torch.optim.Muon(muon), torch.optim.AdamW(adamw, foreach=True)]
-    raise ValueError(name)
+        return [torch.optim.Muon(muon), rest]
+    raise ValueError(f"unknown contender {name!r}")
 
 
-def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available()
+def timed_steps(optimizers: list, steps: int, warmup: int, device: torch.device) -> dict:
+    wall, cpu = [], []
+    for i in range(warmup + steps):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for opt in optimizers:
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        sample = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu], dtype=torch.float64)
+        slowest, total_cpu = sample.clone(), sample.clone()
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total_cpu)
+        if i >= warmup:
+            wall.append(slowest[0].item())
+            cpu.append(total_cpu[1].item())
+    return {"median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall),
+            "cpu_total_s": statistics.median(cpu), "steps": steps}  # fmt: skip
+
+
+def dmuon_breakdown(model, ns_dtype, steps, device, rank, world) -> dict:
+    """Phase times, flops and bytes of DMuonFSDP with phase timing on, plus the bmm floor."""
+    opt = DMuonFSDP(param_groups(model), ns_dtype=ns_dtype, time_phases=True)
+    per_step = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        opt.step()
+        per_step.append(opt.last_step_stats)
+    per_step = per_step[1:]
+    stats = per_step[-1]
+    entries = [(g, p, None) for g in opt.param_groups if g["use_muon"] for p in g["params"] if p.grad is not None]
+    plan = opt.plan_for(entries)
+    element = torch.empty((), dtype=ns_dtype).element_size()
+    floor = bmm_seconds(plan, rank, ns_dtype, device, ns_steps=5)
+    mine = {
+        "seconds": {ph: statistics.median(s.seconds.get(ph, 0.0) for s in per_step) for ph in PHASES},
+        "ns_flops": stats.ns_flops,
+        "bytes_sent": stats.bytes_sent,
+        "bytes_received": stats.bytes_received,
+        "bytes_bound": plan.elements_moved(rank) * element,
+        "floor_s": floor,
+    }
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone, "buckets": len(plan.buckets), "matrices": len(plan.matrices)}
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(args.threads)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world_size)  # fmt: skip
-    dtype = torch.bfloat16 if cuda else torch.float32
+                            rank=rank, world_size=world)  # fmt: skip
+    ns_dtype = default_ns_dtype(device) if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype)
     torch.manual_seed(0)
-    model = Stack(args.dim, args.layers, args.ffn).to(device)
-    for block in model.blocks:
+    model = Transformer(preset(args.preset)).to(device)
+    for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    params = list(model.parameters())
-    results = {}
+    results: dict = {"contenders": {}}
     for name in args.contenders:
-        steps = args.slow_steps if name == "torch-muon" and not cuda else args.steps
-        opts = make_optimizer(name, params, dtype)
-        opts = opts if isinstance(opts, list) else [opts]
         torch.manual_seed(1)
-        for p in params:
+        for p in model.parameters():
             p.grad = torch.randn_like(p)
-        times = []
-        for i in range(args.warmup + steps):
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for opt in opts:
-                opt.step()
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i >= args.warmup:
-                times.append(elapsed.item())
-        results[name] = {"median_s": statistics.median(times), "min_s": min(times),
-                         "max_s": max(times), "steps": steps}  # fmt: skip
+        steps = args.slow_steps if name == "torch-muon" and not cuda else args.steps
+        results["contenders"][name] = timed_steps(make_optimizers(name, model, ns_dtype), steps, args.warmup, device)
+    if "dmuon" in args.contenders:
+        results["dmuon_breakdown"] = dmuon_breakdown(model, ns_dtype, args.steps, device, rank, world)
     if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=2)
+        results.update(world_size=world, preset=args.preset, device=str(device), ns_dtype=str(ns_dtype),
+                       threads_per_rank=args.threads)  # fmt: skip
+        Path(args.out).write_text(json.dumps(results, indent=2))
     dist.destroy_process_group()
+
+
+def report(results: dict, out: Path) -> None:
+    contenders = results["contenders"]
+    base = contenders.get("dmuon")
+    print(f"\n## Optimizer step, preset {results['preset']}, W={results['world_size']}, {results['device']}, "
+          f"NS in {results['ns_dtype']}\n")  # fmt: skip
+    print("| contender | median ms | min ms | max ms | steps | wall / DMuonFSDP | CPU time, all ranks (ms) | CPU / DMuonFSDP |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r in contenders.items():
+        wall = f"{r['median_s'] / base['median_s']:.2f}x" if base else "-"
+        cpu = f"{r['cpu_total_s'] / base['cpu_total_s']:.2f}x" if base else "-"
+        print(f"| {name} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | {r['max_s'] * 1e3:.1f} | "
+              f"{r['steps']} | {wall} | {r['cpu_total_s'] * 1e3:.1f} | {cpu} |")  # fmt: skip
+    breakdown = results.get("dmuon_breakdown")
+    if breakdown:
+        ranks = breakdown["ranks"]
+        flops = [r["ns_flops"] for r in ranks]
+        print(f"\n## DMuonFSDP per rank ({breakdown['matrices']} matrices, {breakdown['buckets']} buckets; "
+              "phase times with timing on)\n")  # fmt: skip
+        print("| rank | " + " | ".join(f"{ph} ms" for ph in PHASES) + " | NS GFLOP | floor ms | NS efficiency "
+              "| sent MiB | received MiB | plan bound MiB |")  # fmt: skip
+        print("|---:" * (len(PHASES) + 7) + "|")
+        for i, r in enumerate(ranks):
+            ns = r["seconds"]["newton_schulz"]
+            eff = f"{r['floor_s'] / ns:.2f}" if ns > 0 else "-"
+            print(f"| {i} | " + " | ".join(f"{r['seconds'][ph] * 1e3:.1f}" for ph in PHASES)
+                  + f" | {r['ns_flops'] / 1e9:.2f} | {r['floor_s'] * 1e3:.1f} | {eff} | {r['bytes_sent'] / 2**20:.2f} "
+                  f"| {r['bytes_received'] / 2**20:.2f} | {r['bytes_bound'] / 2**20:.2f} |")  # fmt: skip
+        mean = sum(flops) / len(flops)
+        print(f"\nNS load: max/mean = {max(flops) / mean:.3f}; total NS floor efficiency = "
+              f"{sum(r['floor_s'] for r in ranks) / max(1e-12, sum(r['seconds']['newton_schulz'] for r in ranks)):.2f}")  # fmt: skip
+    plot(results, out.with_suffix(".png"))
+    print(f"\nJSON: {out}\nplot: {out.with_suffix('.png')}")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["contenders"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(names, [results["contenders"][n]["median_s"] * 1e3 for n in names], color="lightgray", label="step (timing off)")
+    breakdown = results.get("dmuon_breakdown")
+    if breakdown:
+        slowest = max(breakdown["ranks"], key=lambda r: sum(r["seconds"].values()))
+        bottom = 0.0
+        for ph in PHASES:
+            height = slowest["seconds"][ph] * 1e3
+            ax.bar(["dmuon phases"], [height], bottom=bottom, label=ph)
+            bottom += height
+    ax.set_ylabel("ms per optimizer step (slowest rank)")
+    ax.set_title(f"{results['preset']}, W={results['world_size']}, {results['device']}")
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--ffn", type=int, default=688)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--preset", default="cpu-bench", choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--slow-steps", type=int, default=2, help="timed steps of torch-muon on CPU (bf16 NS)")
+    parser.add_argument("--slow-steps", type=int, default=3, help="timed steps of torch-muon on CPU (bf16 NS)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--contenders", nargs="+",
-                        default=["adamw", "dmuon", "dmuon-no-overlap", "gather-muon", "torch-muon"])  # fmt: skip
-    parser.add_argument("--out", default="runs/bench_optimizer.json")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
+    parser.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is present")
+    parser.add_argument("--ns-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="NS dtype of DMuonFSDP and gather-all Muon (auto: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    parser.add_argument("--ns-throughput", action="store_true", help="single device: batched NS vs torch.mm peak")
+    parser.add_argument("--out", default="runs/bench/optimizer.json")
     args = parser.parse_args()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    import socket
-
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.ns_throughput:
+        ns_throughput_report(preset(args.preset), out.with_name("ns_throughput.json"))
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.world_size, port, args, args.out), nprocs=args.world_size)
-    with open(args.out) as f:
-        results = json.load(f)
-    base = results.get("dmuon", {}).get("median_s")
-    print(f"\nOptimizer step, W={args.world_size}, dim={args.dim}, ffn={args.ffn}, layers={args.layers} "
-          f"(median of slowest rank; {args.threads} thread(s) per rank)\n")  # fmt: skip
-    print("| contender | median ms | min ms | max ms | steps | time / DMuonFSDP |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, r in results.items():
-        ratio = f"{r['median_s'] / base:.2f}x" if base else "-"
-        print(f"| {name} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | {r['max_s'] * 1e3:.1f} "
-              f"| {r['steps']} | {ratio} |")  # fmt: skip
-    print(f"\nJSON: {args.out}")
+    mp.spawn(worker, args=(args.world_size, port, args), nprocs=args.world_size)
+    report(json.loads(out.read_text()), out)
 
 
 if __name__ == "__main__":

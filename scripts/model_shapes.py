@@ -15,3 +15,14 @@ LLAMA_SHAPES = {
     "llama3-8b": llama_matrices(32, 4096, 1024, 14336),
     "llama3-70b": llama_matrices(80, 8192, 1024, 28672),
 }
+
+
+def moe_matrices(layers: int, dim: int, kv_dim: int, ffn: int, experts: int) -> list[tuple[int, int]]:
+    """A mixture-of-experts decoder: attention as Llama, then ``experts`` SwiGLU experts per layer,
+    each expert's three matrices orthogonalized on their own (an expert stack [E, m, n] is E
+    matrices)."""
+    attention = [(dim, dim), (kv_dim, dim), (kv_dim, dim), (dim, dim)]
+    return (attention + [(ffn, dim), (ffn, dim), (dim, ffn)] * experts) * layers
+
+
+MOE_SHAPES = {"mixtral-8x7b": moe_matrices(32, 4096, 1024, 14336, 8)}

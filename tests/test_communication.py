@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 import dmuon_fsdp.optimizer as optimizer_module
 from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp.stats import PHASES
 from spawn import run_ranks
 from test_equivalence import ShapesModel, gradients, make_groups
 
@@ -25,7 +26,7 @@ def counted_step(rank, world_size, overlap, comm_dtype):
     fully_shard(model)
     # Buckets of at most 256 KiB split the 12 matrices into several buckets.
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, comm_dtype=comm_dtype, bucket_bytes=2**18,
-                    overlap=overlap)
+                    overlap=overlap, time_phases=True)
     grads = {n: g.float() for n, g in gradients(0).items()}
     model(grads).backward()
 
@@ -82,6 +83,8 @@ def counted_step(rank, world_size, overlap, comm_dtype):
         "a2a_before_first_ns": events.index("ns") if "ns" in events else None,
         "ns_matrices": sum(ns_rows),
         "owned": sum(1 for o in plan.owners if o == rank),
+        "stats": opt.last_step_stats,
+        "owned_flops": sum(m.cost for m, o in zip(plan.matrices, plan.owners) if o == rank),
         "matrices": len(plan.matrices),
     }
 
@@ -101,6 +104,10 @@ def test_step_communication_matches_plan(world_size, overlap, comm_dtype):
         assert r["sent_bytes"] == r["planned_bytes"] > 0
         assert not any(r["calls"].values()), f"rank {rank} gathered: {r['calls']}"
         assert r["ns_matrices"] == r["owned"], f"rank {rank} orthogonalized matrices it does not own"
+        stats = r["stats"]
+        assert stats.bytes_sent == stats.bytes_received == r["planned_bytes"]
+        assert stats.collectives == len(r["a2a"]) and stats.ns_flops == r["owned_flops"]
+        assert set(stats.seconds) <= set(PHASES) and stats.seconds["newton_schulz"] > 0
         if r["a2a_before_first_ns"] is not None:
             # With overlap, bucket 1's exchange is in flight before bucket 0's NS starts.
             assert r["a2a_before_first_ns"] == (2 if overlap else 1)

@@ -1,0 +1,92 @@
+"""End-to-end training step time (forward + backward + optimizer) of the recipe model.
+
+Runs recipes/pretrain.py under torchrun for each optimizer and world size, one thread per rank,
+then reports the median step time, DMuonFSDP's and torch-muon's overhead over AdamW, and the
+analytic lower bound of DMuonFSDP's overhead: the busiest rank's Newton-Schulz flops divided by
+this machine's matmul rate for those shapes (plain torch.bmm, measured in the same run).
+
+    python scripts/bench_e2e.py --world-sizes 1 2 4 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from dmuon_fsdp import param_groups  # noqa: E402
+from dmuon_fsdp.newton_schulz import newton_schulz_flops  # noqa: E402
+from dmuon_fsdp.planner import MatrixLayout, build_plan, chunk_row_counts  # noqa: E402
+from matmul_floor import bmm_seconds  # noqa: E402
+from recipes.model import PRESETS, Transformer, preset  # noqa: E402
+
+OPTIMIZERS = ["adamw", "torch-muon", "dmuon"]
+
+
+def run(optimizer: str, world: int, args: argparse.Namespace) -> dict:
+    run_dir = Path(args.out) / f"{optimizer}-w{world}"
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={world}",
+           str(ROOT / "recipes/pretrain.py"), "--preset", args.preset, "--optimizer", optimizer,
+           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--val-every", str(10**9),
+           "--val-batches", "1", "--threads", "1", "--no-progress", "--run-dir", str(run_dir)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def dmuon_ns_floor_ms(cfg, world: int) -> tuple[float, float]:
+    """(busiest rank's NS GFLOP, its bmm floor in ms) for the model's Muon matrices."""
+    torch.set_num_threads(1)
+    shapes = [tuple(p.shape) for _, p in param_groups(Transformer(cfg))[0]["params"]]
+    layouts = [MatrixLayout(str(i), r, c, chunk_row_counts(r, world), 5) for i, (r, c) in enumerate(shapes)]
+    plan = build_plan(layouts, world, 128 * 2**20, 4)
+    loads = plan.loads()
+    busiest = max(range(world), key=loads.__getitem__)
+    floor = bmm_seconds(plan, busiest, torch.float32, torch.device("cpu"), ns_steps=5)
+    return loads[busiest] / 1e9, floor * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="cpu-demo", choices=sorted(PRESETS))
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, choices=OPTIMIZERS)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=16, help="global sequences per step")
+    parser.add_argument("--out", default="runs/bench/e2e")
+    args = parser.parse_args()
+    cfg = preset(args.preset)
+    total_flops = sum(newton_schulz_flops(*p.shape, 5) for _, p in param_groups(Transformer(cfg))[0]["params"])
+    rows, results = [], {}
+    for world in args.world_sizes:
+        summaries = {opt: run(opt, world, args) for opt in args.optimizers}
+        gflop, floor_ms = dmuon_ns_floor_ms(cfg, world)
+        base = summaries.get("adamw")
+        for opt, s in summaries.items():
+            overhead = s["median_step_ms"] / base["median_step_ms"] - 1 if base else None
+            bound = floor_ms / base["median_step_ms"] if base and opt == "dmuon" else None
+            rows.append((world, opt, s["median_step_ms"], s["median_opt_ms"], s["optimizer_share"], overhead, bound))
+        results[world] = {"summaries": summaries, "busiest_ns_gflop": gflop, "ns_floor_ms": floor_ms}
+    Path(args.out, "e2e.json").write_text(json.dumps(results, indent=2))
+    print(f"\n## End-to-end step, preset {args.preset}, global batch {args.batch_size} x {cfg.seq_len} tokens, "
+          f"1 thread per rank, {args.steps} steps (median after 5)\n")  # fmt: skip
+    print(f"NS per step: {total_flops / 1e9:.2f} GFLOP in all.\n")
+    print("| W | optimizer | step ms | optimizer ms | optimizer share | overhead vs AdamW | lower bound of DMuonFSDP overhead |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for world, opt, step, opt_ms, share, overhead, bound in rows:
+        over = f"{overhead:+.1%}" if overhead is not None else "-"
+        low = f"{bound:+.1%} ({results[world]['ns_floor_ms']:.1f} ms NS floor)" if bound is not None else ""
+        print(f"| {world} | {opt} | {step:.1f} | {opt_ms:.1f} | {share:.1%} | {over} | {low} |")
+    print(f"\nJSON: {Path(args.out, 'e2e.json')}")
+
+
+if __name__ == "__main__":
+    main()

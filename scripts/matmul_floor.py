@@ -1,0 +1,85 @@
+"""The matmul floor under Newton-Schulz, measured on this device with plain torch.bmm / torch.mm."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from dmuon_fsdp import DMuonFSDP, param_groups
+from dmuon_fsdp.newton_schulz import default_ns_dtype, newton_schulz_flops
+from dmuon_fsdp.planner import Plan
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def bmm_chain_seconds(batch: int, s: int, l: int, ns_steps: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Time of the NS products alone (X X^T, A A, B X per step) for a batch of s x l matrices."""
+    x = torch.randn(batch, s, l, dtype=dtype, device=device)
+    a = torch.randn(batch, s, s, dtype=dtype, device=device)
+
+    def products():
+        for _ in range(ns_steps):
+            torch.bmm(x, x.mT)
+            torch.bmm(a, a)
+            torch.bmm(a, x)
+
+    return _best_seconds(products, device)
+
+
+def bmm_seconds(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device, ns_steps: int) -> float:
+    """Least NS time of ``rank`` under ``plan``: its owned batches, per bucket and shape, as bmm."""
+    total = 0.0
+    for bucket in plan.buckets:
+        shapes = Counter((plan.matrices[j].rows, plan.matrices[j].cols) for j in plan.owned_by(bucket, rank))
+        for (rows, cols), batch in shapes.items():
+            total += bmm_chain_seconds(batch, min(rows, cols), max(rows, cols), ns_steps, dtype, device)
+    return total
+
+
+def ns_throughput_report(cfg, path: Path) -> None:
+    """One device: TFLOP/s of torch.mm, of our batched NS and of torch.optim.Muon, per model."""
+    from recipes.model import Transformer
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = default_ns_dtype(device)
+    model = Transformer(cfg).to(device)
+    matrices = [p for _, p in param_groups(model)[0]["params"]]
+    flops = sum(newton_schulz_flops(p.shape[0], p.shape[1], 5) for p in matrices)
+    n = 4096 if device.type == "cuda" else 1024
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    mm_rate = 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), device)
+    for p in matrices:
+        p.grad = torch.randn_like(p)
+    ours = DMuonFSDP(matrices, ns_dtype=dtype)
+    ours_rate = flops / _best_seconds(ours.step, device, repeats=3)
+    vanilla = torch.optim.Muon(matrices)
+    vanilla_rate = flops / _best_seconds(vanilla.step, device, repeats=3)
+    result = {"device": str(device), "dtype": str(dtype), "matrices": len(matrices), "ns_gflop": flops / 1e9,
+              "mm_tflops": mm_rate / 1e12, "dmuon_ns_tflops": ours_rate / 1e12,
+              "torch_muon_tflops": vanilla_rate / 1e12}  # fmt: skip
+    path.write_text(json.dumps(result, indent=2))
+    print(f"| device | dtype | torch.mm {n}^2 TFLOP/s | DMuonFSDP step (batched NS) TFLOP/s | torch.optim.Muon step TFLOP/s |")
+    print("|---|---|---:|---:|---:|")
+    print(f"| {device} | {dtype} | {result['mm_tflops']:.3f} | {result['dmuon_ns_tflops']:.3f} | "
+          f"{result['torch_muon_tflops']:.3f} |")  # fmt: skip
+    print(f"\n{len(matrices)} matrices, {result['ns_gflop']:.1f} GFLOP of NS per step; JSON: {path}")

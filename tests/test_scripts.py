@@ -1,0 +1,36 @@
+"""The benchmark scripts run end to end on a tiny configuration (speed is not asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+    subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, check=True, capture_output=True, text=True)
+
+
+def test_bench_optimizer_reports_every_contender_and_plan_bytes(tmp_path):
+    out = tmp_path / "optimizer.json"
+    _run("scripts/bench_optimizer.py", "--world-size", "2", "--preset", "tiny", "--steps", "1", "--warmup", "0",
+         "--slow-steps", "1", "--out", out)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert set(result["contenders"]) == {"adamw", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap"}
+    for rank in result["dmuon_breakdown"]["ranks"]:
+        assert rank["bytes_sent"] == rank["bytes_received"] == rank["bytes_bound"] > 0
+        assert rank["floor_s"] > 0 and rank["seconds"]["newton_schulz"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_simulate_scale_predicts_dmuon_below_gather_all(tmp_path):
+    out = tmp_path / "sim.json"
+    _run("scripts/simulate_scale.py", "--models", "llama-1b", "--world-sizes", "8", "64", "--out", out)
+    rows = json.loads(out.read_text())["results"]["llama-1b"]
+    for row in rows:
+        assert row["busiest_over_l2_bound"] >= 1 - 1e-9
+        assert row["dmuon_ms"] < row["gather_ms"]
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -141,3 +141,16 @@ def process_group_of(param: Tensor) -> tuple[dist.ProcessGroup | None, int]:
 def default_world_size() -> int:
     """World size of the default process group, 1 when there is none."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_max(values: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Element-wise maximum of ``values`` over the group (in place, and returned)."""
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup) -> list:
+    """Every rank's ``obj``, in group rank order. For rare paths such as building error messages."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.optim import Optimizer
 
 from dmuon_fsdp import comm, elementwise
+from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, check_gradients
 from dmuon_fsdp.newton_schulz import (
     MUON_COEFFICIENTS,
     default_ns_dtype,
@@ -24,7 +25,7 @@ from dmuon_fsdp.planner import MatrixLayout, Plan, build_plan, describe_param
 from dmuon_fsdp.stats import StepStats
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-_OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases")
+_OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases", "nonfinite", "check_grads")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -52,6 +53,14 @@ class DMuonFSDP(Optimizer):
       parameters routed to AdamW.
     - ``bucket_bytes``: bound on the full-matrix bytes exchanged per bucket; ``overlap``: launch
       bucket k+1's exchange before bucket k's Newton-Schulz (False: strictly one after another).
+    - ``nonfinite``: what a step does when any rank has an inf/NaN gradient: ``"raise"``
+      (NonFiniteGradientError naming the parameters and ranks, on every rank), ``"skip"`` (no
+      parameter or state changes, on every rank; ``last_step_stats.skipped``) or ``"ignore"``.
+    - ``check_grads``: verify each step that all ranks have gradients for the same parameters
+      (GradientMismatchError instead of a hang). Cost: one ``all_reduce`` of four integers per
+      step, shared with the ``nonfinite`` check; with ``check_grads=False, nonfinite="ignore"``
+      a step makes no collective besides the exchanges. The non-finite check also reads every
+      local gradient once (a ``_foreach_norm``).
     - ``time_phases``: record wall time per phase in ``last_step_stats`` (synchronizes the device
       at phase boundaries on accelerators; for benchmarks). NS flops and bytes on the wire are
       recorded in ``last_step_stats`` either way.
@@ -91,12 +100,18 @@ class DMuonFSDP(Optimizer):
         bucket_bytes: int = 128 * 2**20,
         overlap: bool = True,
         time_phases: bool = False,
+        nonfinite: str = "raise",
+        check_grads: bool = True,
     ):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.ns_dtype, self.comm_dtype = ns_dtype, comm_dtype
         self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
         self.time_phases = bool(time_phases)
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self.nonfinite, self.check_grads = nonfinite, bool(check_grads)
+        self._check_group: Any = None
         self.last_step_stats: StepStats | None = None
         self._names: dict[Tensor, str] = {}
         self._mesh_owner: tuple[Any, str] | None = None
@@ -128,6 +143,10 @@ class DMuonFSDP(Optimizer):
             name, p = item if isinstance(item, tuple) else (f"parameter {index + i}", item)
             if not isinstance(p, Tensor):
                 raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
+            if not isinstance(item, tuple):
+                name = f"{name} (shape {tuple(p.shape)})"
+            if p in self._names:
+                raise ValueError(f"{name} is passed to the optimizer twice (first as {self._names[p]})")
             route_to_muon = p.ndim >= 2 if use_muon is None else use_muon
             if route_to_muon and p.ndim < 2:
                 raise ValueError(
@@ -173,6 +192,8 @@ class DMuonFSDP(Optimizer):
                 raise ValueError(f"{name}: complex parameters are not supported")
             if isinstance(p, DTensor) and any(isinstance(pl, Partial) for pl in p.placements):
                 raise NotImplementedError(f"{name} has Partial placements {p.placements}")
+            if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and self._check_group is None:
+                self._check_group = p.device_mesh.get_group(0)
             state = self.state[p]
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -185,6 +206,9 @@ class DMuonFSDP(Optimizer):
         describe_param(p, name, group["ns_steps"])  # raises for layouts not handled yet
         if isinstance(p, DTensor):
             mesh = p.device_mesh
+            if mesh.get_coordinate() is None:
+                raise ValueError(f"{name} lives on {mesh}, which does not include this rank")
+            self._check_group = mesh.get_group(0)
         else:
             if comm.default_world_size() > 1:
                 raise NotImplementedError(
@@ -202,6 +226,31 @@ class DMuonFSDP(Optimizer):
                 f"{other} is on {other_mesh}"
             )
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict after checking it matches this optimizer parameter by parameter."""
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]) or saved.get("use_muon") != group["use_muon"]:
+                raise ValueError(
+                    f"param group {index}: state dict has {len(saved['params'])} parameters (use_muon="
+                    f"{saved.get('use_muon')}), this optimizer {len(group['params'])} (use_muon={group['use_muon']})"
+                )
+            for key, p in zip(saved["params"], group["params"]):
+                self._check_saved_state(p, saved_state.get(key, {}))
+        super().load_state_dict(state_dict)
+
+    def _check_saved_state(self, p: Tensor, saved: dict[str, Any]) -> None:
+        name, expected = self._names[p], self.state[p]
+        if set(saved) != set(expected):
+            raise ValueError(
+                f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}"
+            )
+        for key, value in saved.items():
+            if key != "step" and tuple(value.shape) != tuple(expected[key].shape):
+                raise ValueError(f"{name}: saved {key} has shape {tuple(value.shape)}, expected {tuple(p.shape)}")
+
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -210,8 +259,14 @@ class DMuonFSDP(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        params = [p for g in self.param_groups for p in g["params"]]
+        device = params[0].device if params else torch.device("cpu")
         stats = StepStats(device, timed=self.time_phases)
+        self.last_step_stats = stats
+        if not check_gradients(params, self._names, self._check_group, self.nonfinite, self.check_grads,
+                               self._state_mismatches()):  # fmt: skip
+            stats.skipped = True
+            return loss
         entries: list[tuple[dict[str, Any], Tensor, Tensor]] = []
         with stats.phase("elementwise"):
             for group in self.param_groups:
@@ -233,14 +288,30 @@ class DMuonFSDP(Optimizer):
                     )  # fmt: skip
         if entries:
             self._muon_update(entries, stats)
-        self.last_step_stats = stats
         return loss
+
+    def _state_mismatches(self) -> list[str]:
+        """Parameters whose local shard no longer matches their state (resharded or resized)."""
+        found = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                for key, value in self.state[p].items():
+                    if key != "step" and isinstance(value, Tensor) and _local(value).shape != _local(p).shape:
+                        found.append(
+                            f"{self._names[p]} changed layout after the optimizer was built: its {key} "
+                            f"shard is {tuple(_local(value).shape)}, the parameter's {tuple(_local(p).shape)}"
+                        )
+                        break
+        return found
 
     def plan_for(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]]) -> Plan:
         """The (cached) plan for these Muon parameters; rebuilt when their set or layout changes."""
         layouts = [describe_param(p, self._names[p], g["ns_steps"]) for g, p, _ in entries]
         key = tuple(zip((id(p) for _, p, _ in entries), layouts))
         if self._plan is None or key != self._plan_key:
+            meshes = {p.device_mesh if isinstance(p, DTensor) else None for _, p, _ in entries}
+            if len(meshes) > 1:
+                raise ValueError(f"Muon parameters moved to different meshes after construction: {meshes}")
             size = torch.empty((), dtype=self._comm_dtype(entries[0][1].device)).element_size()
             self._plan = build_plan(layouts, len(layouts[0].row_counts), self.bucket_bytes, size)
             self._plan_key = key

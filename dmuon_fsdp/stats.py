@@ -17,7 +17,7 @@ PHASES = ("elementwise", "pack", "wait", "newton_schulz", "apply")
 class StepStats:
     """What one rank did in one step.
 
-    Always counted: ``ns_flops`` (Newton-Schulz flops this rank ran), ``bytes_sent`` and
+    ``skipped`` is True when ``nonfinite="skip"`` skipped the step. Always counted: ``ns_flops`` (Newton-Schulz flops this rank ran), ``bytes_sent`` and
     ``bytes_received`` (to and from other ranks, both exchanges) and ``collectives``.
     With ``timed=True``, ``seconds[phase]`` holds the wall time of each phase: ``elementwise``
     (momentum and AdamW on local shards), ``pack`` (building send buffers, reassembling received
@@ -33,6 +33,7 @@ class StepStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     collectives: int = 0
+    skipped: bool = False
 
     def _sync(self) -> None:
         if self.device.type != "cpu":

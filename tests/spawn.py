@@ -21,7 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _rank_main(
+    rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple, pg_timeout: float
+) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
@@ -29,7 +31,7 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, out_dir: str
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=pg_timeout),
     )
     try:
         result = fn(rank, world_size, *args)
@@ -38,16 +40,19 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, out_dir: str
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, pg_timeout: float = 60.0
+) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return each result.
 
     ``fn`` must be a module-level function. An exception in any rank re-raises here with that
     rank's traceback; ranks still running after ``timeout`` seconds are killed and the test fails.
+    ``pg_timeout`` is the process group's own timeout for a collective.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _rank_main,
-            args=(fn, world_size, free_port(), out_dir, args),
+            args=(fn, world_size, free_port(), out_dir, args, pg_timeout),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -60,3 +65,4 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                         process.kill()
                 raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+

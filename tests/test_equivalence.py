@@ -25,20 +25,21 @@ TOLERANCE = 1e-5
 
 
 class Holder(nn.Module):
-    def __init__(self, shape):
+    def __init__(self, init):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape))
+        self.weight = nn.Parameter(init.clone())
 
     def forward(self, g):
         return (self.weight * g).sum()
 
 
 class ShapesModel(nn.Module):
-    """One parameter per shape; the loss sum(w * g) makes each gradient exactly g."""
+    """One parameter per shape, initialized from ``initial_params``; the loss sum(w * g) makes
+    each gradient exactly g."""
 
     def __init__(self):
         super().__init__()
-        self.holders = nn.ModuleDict({name: Holder(shape) for name, shape in SHAPES.items()})
+        self.holders = nn.ModuleDict({name: Holder(p.float()) for name, p in initial_params().items()})
 
     def forward(self, grads):
         return sum(h(grads[name]) for name, h in self.holders.items())
@@ -86,11 +87,7 @@ def reference_run():
 
 
 def sharded_run(rank, world_size):
-    torch.manual_seed(0)
     model = ShapesModel()
-    with torch.no_grad():
-        for name, p in initial_params().items():
-            model.holders[name].weight.copy_(p)
     for holder in model.holders.values():
         fully_shard(holder)
     fully_shard(model)

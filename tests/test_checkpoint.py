@@ -1,0 +1,82 @@
+"""Optimizer checkpoints: DCP save at one world size, load at another, continue identically."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dmuon_fsdp import DMuonFSDP
+from reference import relative_error
+from spawn import run_ranks
+from test_equivalence import gradients, make_groups
+from test_reliability import sharded_model
+
+
+def _train(model, opt, steps):
+    for step in steps:
+        model({n: g.float() for n, g in gradients(step).items()}).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _snapshot(model, opt):
+    out = {n: h.weight.full_tensor() for n, h in model.holders.items()}
+    out.update({f"buf:{n}": opt.state[h.weight]["momentum_buffer"].full_tensor()
+                for n, h in model.holders.items() if "momentum_buffer" in opt.state[h.weight]})  # fmt: skip
+    return out
+
+
+def save_then_continue(rank, world_size, path):
+    model = sharded_model()
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
+    _train(model, opt, range(2))
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    _train(model, opt, range(2, 4))
+    return _snapshot(model, opt)
+
+
+def load_then_continue(rank, world_size, path):
+    model = sharded_model()
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    _train(model, opt, range(2, 4))
+    return _snapshot(model, opt)
+
+
+@pytest.mark.parametrize("saved_at,loaded_at", [(4, 2), (2, 3)])
+def test_reshard_on_load_continues_like_the_original(tmp_path, saved_at, loaded_at):
+    original = run_ranks(save_then_continue, saved_at, str(tmp_path))[0]
+    resumed = run_ranks(load_then_continue, loaded_at, str(tmp_path))[0]
+    assert original.keys() == resumed.keys()
+    errors = {k: relative_error(resumed[k], original[k]) for k in original}
+    assert max(errors.values()) <= 1e-6, errors
+
+
+def _opt(*shapes):
+    params = [(f"p{i}", nn.Parameter(torch.randn(s))) for i, s in enumerate(shapes)]
+    return DMuonFSDP(params)
+
+
+def test_load_state_dict_rejects_mismatched_state():
+    good = _opt((4, 6), (6,)).state_dict()
+    with pytest.raises(ValueError, match=r"p0: saved momentum_buffer has shape \(4, 6\), expected \(5, 6\)"):
+        _opt((5, 6), (6,)).load_state_dict(copy.deepcopy(good))
+    missing = copy.deepcopy(good)
+    del missing["state"][1]["exp_avg_sq"]
+    with pytest.raises(ValueError, match="p1: state dict holds"):
+        _opt((4, 6), (6,)).load_state_dict(missing)
+    with pytest.raises(ValueError, match="param group"):
+        _opt((4, 6), (6,), (3, 3)).load_state_dict(copy.deepcopy(good))

@@ -1,0 +1,181 @@
+"""Bad input and faults on several ranks: the same clear error everywhere, never a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp.grad_checks import GradientMismatchError, NonFiniteGradientError
+from spawn import run_ranks
+from test_equivalence import ShapesModel, gradients, make_groups
+
+
+def sharded_model():
+    model = ShapesModel()
+    for holder in model.holders.values():
+        fully_shard(holder)
+    fully_shard(model)
+    return model
+
+
+def _backward(model, step=0):
+    model({n: g.float() for n, g in gradients(step).items()}).backward()
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever each rank raised
+        return type(e).__name__, str(e)
+    return None
+
+
+def grad_scenarios(rank, world_size):
+    out = {}
+    model = sharded_model()
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
+    w5 = model.holders["w5"].weight
+
+    # Frozen or unused on every rank: skipped consistently, the parameter does not move.
+    _backward(model)
+    w5.grad = None
+    before = w5.full_tensor()
+    out["none_everywhere"] = _outcome(opt.step)
+    out["w5_unchanged"] = torch.equal(w5.full_tensor(), before)
+    opt.zero_grad()
+
+    # None on one rank only: the classic hang, turned into an error on every rank.
+    _backward(model)
+    if rank == 1:
+        model.holders["tall"].weight.grad = None
+    out["none_on_one_rank"] = _outcome(opt.step)
+    opt.zero_grad()
+
+    # A NaN on rank 0 only.
+    _backward(model)
+    if rank == 0:
+        model.holders["wide"].weight.grad.to_local()[0, 0] = float("nan")
+    out["nan_raise"] = _outcome(opt.step)
+    state_before = opt.state[model.holders["sq0"].weight]["momentum_buffer"].full_tensor()
+    params_before = {n: h.weight.full_tensor() for n, h in model.holders.items()}
+    opt.nonfinite = "skip"
+    out["nan_skip"] = _outcome(opt.step)
+    out["skipped"] = opt.last_step_stats.skipped
+    out["skip_changed_nothing"] = all(torch.equal(h.weight.full_tensor(), params_before[n])
+                                      for n, h in model.holders.items()) and torch.equal(
+        opt.state[model.holders["sq0"].weight]["momentum_buffer"].full_tensor(), state_before)  # fmt: skip
+    opt.nonfinite = "ignore"
+    out["nan_ignore"] = _outcome(opt.step)
+    out["nan_spread"] = bool(model.holders["wide"].weight.full_tensor().isnan().any())
+    return out
+
+
+def test_gradient_problems_raise_the_same_error_on_every_rank():
+    results = run_ranks(grad_scenarios, 2)
+    for rank, r in enumerate(results):
+        assert r["none_everywhere"] is None and r["w5_unchanged"]
+        kind, message = r["none_on_one_rank"]
+        assert kind == GradientMismatchError.__name__
+        assert "parameter 3 (shape (768, 256))" in message  # the "tall" matrix, passed unnamed
+        assert "None on ranks [1]" in message
+        kind, message = r["nan_raise"]
+        assert kind == NonFiniteGradientError.__name__ and "(rank 0)" in message
+        assert r["nan_skip"] is None and r["skipped"] and r["skip_changed_nothing"]
+        assert r["nan_ignore"] is None and r["nan_spread"]
+    assert results[0]["none_on_one_rank"] == results[1]["none_on_one_rank"]
+    assert results[0]["nan_raise"] == results[1]["nan_raise"]
+
+
+def construction_errors(rank, world_size):
+    mesh_a = init_device_mesh("cpu", (world_size,), mesh_dim_names=("a",))
+    mesh_b = init_device_mesh("cpu", (world_size,), mesh_dim_names=("b",))
+    on_a = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_a, [Shard(0)]))
+    on_b = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_b, [Shard(0)]))
+    return _outcome(lambda: DMuonFSDP([("x.weight", on_a), ("y.weight", on_b)]))
+
+
+def test_parameters_on_two_meshes_name_both():
+    for kind, message in run_ranks(construction_errors, 2):
+        assert kind == "ValueError" and "x.weight" in message and "y.weight" in message
+
+
+def faulty_rank(rank, world_size):
+    model = sharded_model()
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
+    _backward(model)
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected fault in Newton-Schulz")
+
+        opt._orthogonalize = broken
+    start = time.monotonic()
+    outcome = _outcome(opt.step)
+    return outcome, time.monotonic() - start
+
+
+def test_a_rank_failing_inside_step_does_not_strand_the_others():
+    results = run_ranks(faulty_rank, 2, pg_timeout=5.0, timeout=120)
+    (kind1, message1), _ = results[1]
+    assert "injected fault" in message1
+    outcome0, waited = results[0]
+    assert outcome0 is not None, "rank 0 must see an error, not hang or finish"
+    assert waited < 60
+
+
+def test_model_changed_after_construction():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 6))
+    opt = DMuonFSDP([("w", w)])
+    w.grad = torch.randn_like(w)
+    opt.step()
+    extra = nn.Parameter(torch.randn(5, 3))
+    opt.add_param_group({"params": [("extra", extra)]})
+    w.grad, extra.grad = torch.randn_like(w), torch.randn_like(extra)
+    before = extra.detach().clone()
+    opt.step()
+    assert len(opt._plan.matrices) == 2 and not torch.equal(extra.detach(), before)
+    w.data = torch.randn(8, 6)  # resized behind the optimizer's back
+    w.grad = torch.randn_like(w)
+    with pytest.raises(ValueError, match="'?w'? changed layout|w changed layout"):
+        opt.step()
+
+
+def test_parameter_passed_twice_is_named():
+    w = nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="b.*twice.*a"):
+        DMuonFSDP([{"params": [("a", w)]}, {"params": [("b", w)]}])
+    with pytest.raises(ValueError, match="twice"):
+        DMuonFSDP([w, w])
+
+
+def test_sparse_and_complex_are_named():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = DMuonFSDP([("emb.weight", emb.weight)])
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="emb.weight: sparse"):
+        opt.step()
+    with pytest.raises(ValueError, match="z.*complex"):
+        DMuonFSDP([("z", nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64)))])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(momentum=-0.1), "momentum"),
+        (dict(ns_steps=1.5), "ns_steps"),
+        (dict(eps=-1.0), "eps"),
+        (dict(adamw_betas=(0.9, 1.0)), "betas"),
+        (dict(ns_coefficients=[(1.0, 2.0, 3.0), "x"]), "ns_coefficients"),
+        (dict(nonfinite="warn"), "nonfinite"),
+    ],
+)
+def test_more_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DMuonFSDP([nn.Parameter(torch.zeros(3, 3)), nn.Parameter(torch.zeros(3))], **kwargs)

@@ -4,16 +4,21 @@
     opt = DMuonFSDP(model.parameters(), lr=0.02)      # or DMuonFSDP(param_groups(model))
 """
 
+from dmuon_fsdp.grad_checks import GradientMismatchError, NonFiniteGradientError
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS, newton_schulz
 from dmuon_fsdp.optimizer import DMuonFSDP, adjusted_lr
 from dmuon_fsdp.param_groups import param_groups
 from dmuon_fsdp.planner import Plan, build_plan, chunk_row_counts
+from dmuon_fsdp.stats import StepStats
 
 __all__ = [
     "DMuonFSDP",
+    "GradientMismatchError",
     "MUON_COEFFICIENTS",
+    "NonFiniteGradientError",
     "POLAR_EXPRESS",
     "Plan",
+    "StepStats",
     "adjusted_lr",
     "build_plan",
     "chunk_row_counts",

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 from torch.optim import Optimizer
 
-from dmuon_fsdp import comm, elementwise
+from dmuon_fsdp import comm, elementwise, validation
 from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, check_gradients
 from dmuon_fsdp.newton_schulz import (
     MUON_COEFFICIENTS,
@@ -24,7 +24,6 @@ from dmuon_fsdp.newton_schulz import (
 from dmuon_fsdp.planner import MatrixLayout, Plan, build_plan, describe_param
 from dmuon_fsdp.stats import StepStats
 
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 _OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases", "nonfinite", "check_grads")
 
 
@@ -169,23 +168,13 @@ class DMuonFSDP(Optimizer):
             self._init_adamw_group(self.param_groups[-1])
 
     def _init_muon_group(self, group: dict[str, Any]) -> None:
-        _check_common(group, "lr", "weight_decay")
-        if not 0.0 <= group["momentum"] < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
-        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")
-        if not group["eps"] >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {group['eps']}")
-        resolve_coefficients(group["ns_coefficients"], group["ns_steps"])  # validates
+        validation.check_muon_group(group)
         for p in group["params"]:
             self._check_muon_param(p, group)
             self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _init_adamw_group(self, group: dict[str, Any]) -> None:
-        _check_common(group, "lr", "weight_decay")
-        beta1, beta2 = group["betas"]
-        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0) or not group["eps"] >= 0.0:
-            raise ValueError(f"AdamW betas must be in [0, 1) and eps >= 0, got {group['betas']}, {group['eps']}")
+        validation.check_adamw_group(group)
         for p in group["params"]:
             name = self._names[p]
             if p.is_complex():
@@ -238,18 +227,8 @@ class DMuonFSDP(Optimizer):
                     f"{saved.get('use_muon')}), this optimizer {len(group['params'])} (use_muon={group['use_muon']})"
                 )
             for key, p in zip(saved["params"], group["params"]):
-                self._check_saved_state(p, saved_state.get(key, {}))
+                validation.check_saved_state(self._names[p], p, self.state[p], saved_state.get(key, {}))
         super().load_state_dict(state_dict)
-
-    def _check_saved_state(self, p: Tensor, saved: dict[str, Any]) -> None:
-        name, expected = self._names[p], self.state[p]
-        if set(saved) != set(expected):
-            raise ValueError(
-                f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}"
-            )
-        for key, value in saved.items():
-            if key != "step" and tuple(value.shape) != tuple(expected[key].shape):
-                raise ValueError(f"{name}: saved {key} has shape {tuple(value.shape)}, expected {tuple(p.shape)}")
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
@@ -386,9 +365,3 @@ class DMuonFSDP(Optimizer):
                 scale = adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols)
                 local.add_(block.view(local.shape), alpha=-scale)
 
-
-def _check_common(group: dict[str, Any], *keys: str) -> None:
-    for key in keys:
-        value = float(group[key])
-        if not (math.isfinite(value) and value >= 0.0):
-            raise ValueError(f"{key} must be a finite number >= 0, got {group[key]!r}")

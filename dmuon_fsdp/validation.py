@@ -1,0 +1,44 @@
+"""Checks of hyper-parameters and saved state: clear ValueErrors before anything runs."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import Tensor
+
+from dmuon_fsdp.newton_schulz import resolve_coefficients
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def _non_negative(group: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        value = float(group[key])
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{key} must be a finite number >= 0, got {group[key]!r}")
+
+
+def check_muon_group(group: dict[str, Any]) -> None:
+    _non_negative(group, "lr", "weight_decay", "eps")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")
+    resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+
+
+def check_adamw_group(group: dict[str, Any]) -> None:
+    _non_negative(group, "lr", "weight_decay", "eps")
+    betas = group["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"AdamW betas must be two numbers in [0, 1), got {betas}")
+
+
+def check_saved_state(name: str, param: Tensor, expected: dict[str, Any], saved: dict[str, Any]) -> None:
+    """``saved`` (from a state dict) must hold the same keys and shapes as ``expected``."""
+    if set(saved) != set(expected):
+        raise ValueError(f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}")
+    for key, value in saved.items():
+        if key != "step" and tuple(value.shape) != tuple(expected[key].shape):
+            raise ValueError(f"{name}: saved {key} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")

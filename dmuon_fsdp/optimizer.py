@@ -126,7 +126,11 @@ class DMuonFSDP(Optimizer):
 
     # ---- construction -------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group, routing its parameters to Muon or AdamW (see the class docstring)."""
+        """Add a group, routing its parameters to Muon or AdamW (see the class docstring).
+
+        Everything is validated before anything is registered, so a rejected group leaves the
+        optimizer as it was.
+        """
         group = dict(param_group)
         for key in _OPTIMIZER_WIDE:
             if key in group:
@@ -137,6 +141,7 @@ class DMuonFSDP(Optimizer):
         if use_muon not in (None, True, False):
             raise ValueError(f"use_muon must be True, False or unset, got {use_muon!r}")
         index = sum(len(g["params"]) for g in self.param_groups)
+        names: dict[Tensor, str] = {}
         muon, adamw = [], []
         for i, item in enumerate(params):
             name, p = item if isinstance(item, tuple) else (f"parameter {index + i}", item)
@@ -144,76 +149,82 @@ class DMuonFSDP(Optimizer):
                 raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
             if not isinstance(item, tuple):
                 name = f"{name} (shape {tuple(p.shape)})"
-            if p in self._names:
-                raise ValueError(f"{name} is passed to the optimizer twice (first as {self._names[p]})")
+            if p in self._names or p in names:
+                first = self._names.get(p, names.get(p))
+                raise ValueError(f"{name} is passed to the optimizer twice (first as {first})")
             route_to_muon = p.ndim >= 2 if use_muon is None else use_muon
             if route_to_muon and p.ndim < 2:
                 raise ValueError(
                     f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon "
                     "needs a matrix (ndim >= 2)"
                 )
-            self._names[p] = name
-            (muon if route_to_muon else adamw).append(item)
-        if muon or not adamw:
-            muon_group = {**group, "params": muon, "use_muon": True}
-            super().add_param_group(muon_group)
-            self._init_muon_group(self.param_groups[-1])
-        if adamw:
-            explicit = use_muon is False
-            adamw_group = {**group, "params": adamw, "use_muon": False}
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                if not (explicit and key in group):
-                    adamw_group[key] = group.get(f"adamw_{key}", self.defaults[f"adamw_{key}"])
-            super().add_param_group(adamw_group)
-            self._init_adamw_group(self.param_groups[-1])
-
-    def _init_muon_group(self, group: dict[str, Any]) -> None:
-        validation.check_muon_group(group)
-        for p in group["params"]:
-            self._check_muon_param(p, group)
-            self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def _init_adamw_group(self, group: dict[str, Any]) -> None:
-        validation.check_adamw_group(group)
-        for p in group["params"]:
-            name = self._names[p]
             if p.is_complex():
                 raise ValueError(f"{name}: complex parameters are not supported")
-            if isinstance(p, DTensor) and any(isinstance(pl, Partial) for pl in p.placements):
-                raise NotImplementedError(f"{name} has Partial placements {p.placements}")
+            names[p] = name
+            (muon if route_to_muon else adamw).append(item)
+        new_groups = []
+        if muon or not adamw:
+            new_groups.append({**group, "params": muon, "use_muon": True})
+        if adamw:
+            adamw_group = {**group, "params": adamw, "use_muon": False}
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                if not (use_muon is False and key in group):
+                    adamw_group[key] = group.get(f"adamw_{key}", self.defaults[f"adamw_{key}"])
+            new_groups.append(adamw_group)
+        mesh_owner = self._check_layouts(new_groups, names)
+        self._names.update(names)
+        self._mesh_owner = mesh_owner
+        for new in new_groups:
+            super().add_param_group(new)
+            self._init_state(self.param_groups[-1])
+
+    def _check_layouts(self, new_groups: list[dict[str, Any]], names: dict[Tensor, str]) -> Any:
+        """Validate hyper-parameters and layouts of groups about to be added; returns the mesh
+        (and the first parameter on it) that all Muon parameters share."""
+        mesh_owner = self._mesh_owner
+        for new in new_groups:
+            merged = {**self.defaults, **new}
+            (validation.check_muon_group if new["use_muon"] else validation.check_adamw_group)(merged)
+            for item in new["params"]:
+                p = item[1] if isinstance(item, tuple) else item
+                name = names[p]
+                if isinstance(p, DTensor):
+                    if any(isinstance(pl, Partial) for pl in p.placements):
+                        raise NotImplementedError(f"{name} has Partial placements {p.placements}")
+                    if p.device.type != p.device_mesh.device_type:
+                        raise NotImplementedError(
+                            f"{name} is on {p.device} but its mesh on {p.device_mesh.device_type}: "
+                            "offloaded parameters (CPUOffloadPolicy) are not supported"
+                        )
+                    if p.device_mesh.get_coordinate() is None:
+                        raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
+                if not new["use_muon"]:
+                    continue
+                describe_param(p, name, merged["ns_steps"])  # raises for layouts not handled yet
+                if not isinstance(p, DTensor) and comm.default_world_size() > 1:
+                    raise NotImplementedError(
+                        f"{name} is a plain tensor in a job of {comm.default_world_size()} ranks: "
+                        "replicated (DDP) parameters are not supported yet; shard the model with fully_shard"
+                    )
+                mesh = p.device_mesh if isinstance(p, DTensor) else None
+                if mesh_owner is None:
+                    mesh_owner = (mesh, name)
+                elif mesh_owner[0] != mesh:
+                    raise ValueError(
+                        f"all Muon parameters must live on one device mesh: {name} is on {mesh} but "
+                        f"{mesh_owner[1]} is on {mesh_owner[0]}"
+                    )
+        return mesh_owner
+
+    def _init_state(self, group: dict[str, Any]) -> None:
+        for p in group["params"]:
             if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and self._check_group is None:
                 self._check_group = p.device_mesh.get_group(0)
-            state = self.state[p]
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def _check_muon_param(self, p: Tensor, group: dict[str, Any]) -> None:
-        name = self._names[p]
-        if p.is_complex():
-            raise ValueError(f"{name}: complex parameters are not supported")
-        describe_param(p, name, group["ns_steps"])  # raises for layouts not handled yet
-        if isinstance(p, DTensor):
-            mesh = p.device_mesh
-            if mesh.get_coordinate() is None:
-                raise ValueError(f"{name} lives on {mesh}, which does not include this rank")
-            self._check_group = mesh.get_group(0)
-        else:
-            if comm.default_world_size() > 1:
-                raise NotImplementedError(
-                    f"{name} is a plain tensor in a job of {comm.default_world_size()} ranks: "
-                    "replicated (DDP) parameters are not supported yet; shard the model with "
-                    "fully_shard"
-                )
-            mesh = None
-        if self._mesh_owner is None:
-            self._mesh_owner = (mesh, name)
-        elif self._mesh_owner[0] != mesh:
-            other_mesh, other = self._mesh_owner
-            raise ValueError(
-                f"all Muon parameters must live on one device mesh: {name} is on {mesh} but "
-                f"{other} is on {other_mesh}"
-            )
+            zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["use_muon"]:
+                self.state[p]["momentum_buffer"] = zeros
+            else:
+                self.state[p].update(step=torch.tensor(0.0), exp_avg=zeros, exp_avg_sq=torch.zeros_like(zeros))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict after checking it matches this optimizer parameter by parameter."""

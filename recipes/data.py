@@ -9,7 +9,6 @@ world size. Rank r of W takes rows [r * B / W, (r + 1) * B / W) of the global ba
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -22,10 +21,19 @@ VAL_FRACTION = 0.05
 
 @dataclass
 class Corpus:
-    train: torch.Tensor  # int32 token ids
+    """Token streams stored as uint16 bit patterns in int16 tensors (memory-mapped when read
+    from a file); ``token_ids`` turns a slice into int64 ids. ``vocab_size`` is None when the
+    corpus does not fix it (a token file: the model preset's vocabulary applies)."""
+
+    train: torch.Tensor
     val: torch.Tensor
-    vocab_size: int
+    vocab_size: int | None
     description: str
+
+
+def token_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """int64 ids of uint16 tokens held in an int16 tensor."""
+    return (tokens.to(torch.int32) & 0xFFFF).long()
 
 
 def stdlib_files() -> list[Path]:
@@ -41,15 +49,13 @@ def _write_tokens(path: Path, tokens: bytes) -> None:
 
 
 def _read_uint16(path: Path) -> torch.Tensor:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size % 2:
-            raise ValueError(f"{path}: {size} bytes is not a whole number of uint16 tokens")
-        if size == 0:
-            return torch.empty(0, dtype=torch.long)
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            raw = torch.frombuffer(bytearray(m), dtype=torch.int16)
-    return raw.to(torch.int32) & 0xFFFF
+    """Memory-map a uint16 token file (read-only use; pages are shared between ranks)."""
+    size = path.stat().st_size
+    if size % 2:
+        raise ValueError(f"{path}: {size} bytes is not a whole number of uint16 tokens")
+    if size == 0:
+        return torch.empty(0, dtype=torch.int16)
+    return torch.from_file(str(path), shared=True, size=size // 2, dtype=torch.int16)
 
 
 def stdlib_corpus(cache_dir: str | Path, max_files: int | None = None) -> Corpus:
@@ -79,7 +85,10 @@ def stdlib_corpus(cache_dir: str | Path, max_files: int | None = None) -> Corpus
 
 
 def token_file_corpus(path: str | Path, vocab_size: int | None = None) -> Corpus:
-    """A nanoGPT-style uint16 token file; validation is ``val.bin`` beside it, or its last 5%."""
+    """A nanoGPT-style uint16 token file; validation is ``val.bin`` beside it, or its last 5%.
+
+    The file is not scanned for its largest id (it may hold billions of tokens): ``vocab_size``
+    None leaves the vocabulary to the model, and the trainer checks each batch against it."""
     path = Path(path)
     tokens = _read_uint16(path)
     val_path = path.with_name("val.bin")
@@ -88,14 +97,13 @@ def token_file_corpus(path: str | Path, vocab_size: int | None = None) -> Corpus
     else:
         cut = int(len(tokens) * (1 - VAL_FRACTION))
         train, val = tokens[:cut], tokens[cut:]
-    vocab = vocab_size or int(max(train.max(), val.max())) + 1
-    return Corpus(train, val, vocab, f"token file {path}")
+    return Corpus(train, val, vocab_size, f"token file {path}")
 
 
 def text_corpus(path: str | Path) -> Corpus:
     """A plain text file at byte level; its last 5% is validation."""
     data = Path(path).read_bytes()
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32)
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int16)
     cut = int(len(tokens) * (1 - VAL_FRACTION))
     return Corpus(tokens[:cut], tokens[cut:], 256, f"text file {path}")
 
@@ -112,7 +120,7 @@ def batch_for_step(
     starts = torch.randint(0, len(tokens) - seq_len - 1, (global_batch,), generator=gen)
     per_rank = global_batch // world_size
     mine = starts[rank * per_rank : (rank + 1) * per_rank]
-    windows = tokens[mine[:, None] + torch.arange(seq_len + 1)].long()
+    windows = token_ids(tokens[mine[:, None] + torch.arange(seq_len + 1)])
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -126,6 +134,6 @@ def validation_batches(
     mine = starts[rank::world_size][: rows * batches].view(batches, rows)
     out = []
     for row_starts in mine:
-        windows = tokens[row_starts[:, None] + torch.arange(seq_len + 1)].long()
+        windows = token_ids(tokens[row_starts[:, None] + torch.arange(seq_len + 1)])
         out.append((windows[:, :-1], windows[:, 1:]))
     return out

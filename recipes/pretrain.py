@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -130,7 +131,10 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
-    kwargs = {"mp_policy": mp} if mp else {}
+    # An explicit mesh: without one FSDP2 uses the machine's accelerator even for a gloo CPU run.
+    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    if mp:
+        kwargs["mp_policy"] = mp
     for block in model.layers:
         if args.compile:
             block.compile()
@@ -190,6 +194,9 @@ def train(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
         inputs, targets = batch_for_step(corpus.train, seq_len, args.batch_size, args.seed, step, rank, world)
+        if int(targets.max()) >= model.cfg.vocab_size or int(inputs.max()) >= model.cfg.vocab_size:
+            raise ValueError(f"token id {int(max(inputs.max(), targets.max()))} at step {step} is outside the "
+                             f"vocabulary ({model.cfg.vocab_size}); pass --vocab-size")  # fmt: skip
         for m, (x, y) in enumerate(zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum))):
             model.set_requires_gradient_sync(m == args.grad_accum - 1)
             loss = model(x.to(device), y.to(device)) / args.grad_accum
@@ -205,6 +212,7 @@ def train(args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
+        lr = optimizers[0].param_groups[0]["lr"]  # the lr this step used
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         for scheduler in schedulers:
@@ -214,7 +222,7 @@ def train(args: argparse.Namespace) -> dict:
         history["losses"][step + 1] = train_loss
         fb_times.append(t1 - t0)
         opt_times.append(t2 - t1)
-        record = {"step": step + 1, "train_loss": train_loss, "lr": optimizers[0].param_groups[0]["lr"],
+        record = {"step": step + 1, "train_loss": train_loss, "lr": lr,
                   "fwd_bwd_ms": 1e3 * (t1 - t0), "opt_ms": 1e3 * (t2 - t1),
                   "tokens_per_s": args.batch_size * seq_len / (t2 - t0)}  # fmt: skip
         if (step + 1) % args.val_every == 0 or step + 1 == args.steps:

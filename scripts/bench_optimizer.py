@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,9 +118,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     ns_dtype = default_ns_dtype(device) if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype)
     torch.manual_seed(0)
     model = Transformer(preset(args.preset)).to(device)
+    mesh = init_device_mesh(device.type, (world,))
     for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     results: dict = {"contenders": {}}
     for name in args.contenders:
         torch.manual_seed(1)

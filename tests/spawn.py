@@ -66,3 +66,11 @@ def run_ranks(
                 raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
+
+
+def cpu_mesh():
+    """A 1-D CPU mesh over the whole job. Pass it to ``fully_shard``: without one, FSDP2 picks the
+    machine's accelerator even when the process group is gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))

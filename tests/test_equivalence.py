@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import POLAR_EXPRESS, DMuonFSDP
 from reference import reference_muon_step, relative_error
-from spawn import run_ranks
+from spawn import cpu_mesh, run_ranks
 
 # name -> shape. (5, 256) at W=4 leaves rows 2, 2, 1, 0; the three (64, 64) batch together.
 MUON_A = {"w5": (5, 256), "w1": (1, 128), "w37": (37, 64), "tall": (768, 256), "conv": (6, 3, 3, 3)}
@@ -88,9 +88,10 @@ def reference_run():
 
 def sharded_run(rank, world_size):
     model = ShapesModel()
+    mesh = cpu_mesh()
     for holder in model.holders.values():
-        fully_shard(holder)
-    fully_shard(model)
+        fully_shard(holder, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
     for step in range(STEPS):
         grads = {n: g.float() for n, g in gradients(step).items()}

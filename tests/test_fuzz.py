@@ -10,7 +10,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP
 from reference import reference_muon_step, relative_error
-from spawn import run_ranks
+from spawn import cpu_mesh, run_ranks
 from test_equivalence import sharded_run
 
 
@@ -36,7 +36,7 @@ def random_layout_run(rank, world_size, shapes, seed):
     with torch.no_grad():
         for w, x in zip(model.ws, init):
             w.copy_(x)
-    fully_shard(model)
+    fully_shard(model, mesh=cpu_mesh())
     opt = DMuonFSDP(model.parameters(), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, bucket_bytes=4096)
     for step_grads in grads:
         model([g.float() for g in step_grads]).backward()

@@ -13,15 +13,16 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp.grad_checks import GradientMismatchError, NonFiniteGradientError
-from spawn import run_ranks
+from spawn import cpu_mesh, run_ranks
 from test_equivalence import ShapesModel, gradients, make_groups
 
 
 def sharded_model():
     model = ShapesModel()
+    mesh = cpu_mesh()
     for holder in model.holders.values():
-        fully_shard(holder)
-    fully_shard(model)
+        fully_shard(holder, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -179,3 +180,14 @@ def test_sparse_and_complex_are_named():
 def test_more_bad_hyperparameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DMuonFSDP([nn.Parameter(torch.zeros(3, 3)), nn.Parameter(torch.zeros(3))], **kwargs)
+
+
+def test_a_rejected_group_leaves_the_optimizer_unchanged():
+    w, b = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(4))
+    opt = DMuonFSDP([("w", w)])
+    before = (len(opt.param_groups), len(opt.state))
+    with pytest.raises(ValueError, match="betas"):
+        opt.add_param_group({"params": [("w2", nn.Parameter(torch.randn(3, 3))), ("b", b)], "adamw_betas": (0.9, 2.0)})
+    assert (len(opt.param_groups), len(opt.state)) == before
+    opt.add_param_group({"params": [("b", b)]})  # the same parameter is accepted afterwards
+    assert len(opt.param_groups) == 2

@@ -260,18 +260,18 @@ class DMuonFSDP(Optimizer):
         entries: list[tuple[dict[str, Any], Tensor, Tensor]] = []
         with stats.phase("elementwise"):
             for group in self.param_groups:
-                params = [p for p in group["params"] if p.grad is not None]
-                if not params:
+                with_grad = [p for p in group["params"] if p.grad is not None]
+                if not with_grad:
                     continue
-                grads = [_local(p.grad) for p in params]
+                grads = [_local(p.grad) for p in with_grad]
                 if group["use_muon"]:
-                    buffers = [_local(self.state[p]["momentum_buffer"]) for p in params]
+                    buffers = [_local(self.state[p]["momentum_buffer"]) for p in with_grad]
                     updates = elementwise.muon_momentum(grads, buffers, group["momentum"], group["nesterov"])
-                    entries.extend((group, p, u) for p, u in zip(params, updates))
+                    entries.extend((group, p, u) for p, u in zip(with_grad, updates))
                 else:
-                    states = [self.state[p] for p in params]
+                    states = [self.state[p] for p in with_grad]
                     elementwise.adamw(
-                        [_local(p) for p in params], grads,
+                        [_local(p) for p in with_grad], grads,
                         [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
                         [s["step"] for s in states], lr=float(group["lr"]), betas=group["betas"],
                         eps=group["eps"], weight_decay=group["weight_decay"],

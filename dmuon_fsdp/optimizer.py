@@ -38,6 +38,10 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _matrices_of(p: Tensor, name: str, group: dict[str, Any]) -> list[MatrixLayout]:
+    return describe_param(p, name, group["ns_steps"], group["flatten"], group["split_sizes"], group["num_heads"])
+
+
 class DMuonFSDP(Optimizer):
     """Distributed Muon for FSDP2 (DTensor ``Shard(0)``) parameters; AdamW for the rest.
 
@@ -63,6 +67,14 @@ class DMuonFSDP(Optimizer):
     - ``time_phases``: record wall time per phase in ``last_step_stats`` (synchronizes the device
       at phase boundaries on accelerators; for benchmarks). NS flops and bytes on the wire are
       recorded in ``last_step_stats`` either way.
+
+    - ``flatten`` (per group): True views a >2-D weight as one (dim0, -1) matrix (conv kernels);
+      False treats it as a stack of dim0 matrices (dim1, -1), e.g. MoE experts [E, m, n]. An
+      expert stack sharded on its expert dim is orthogonalized where it lives, with no exchange.
+    - ``split_sizes`` / ``num_heads`` (per group): orthogonalize row blocks of each matrix
+      separately, e.g. ``split_sizes=[q, k, v]`` for a fused QKV weight or ``num_heads=h`` for
+      per-head blocks; the same as separate parameters (lr scale and weight decay per block),
+      wherever the blocks fall relative to shard boundaries.
 
     Routing: within a group, parameters with ndim >= 2 use Muon and the others AdamW; a group's
     ``use_muon`` (True/False) overrides that. A group that mixes both is split into a Muon group
@@ -101,6 +113,9 @@ class DMuonFSDP(Optimizer):
         time_phases: bool = False,
         nonfinite: str = "raise",
         check_grads: bool = True,
+        flatten: bool = True,
+        split_sizes: list[int] | None = None,
+        num_heads: int | None = None,
     ):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -116,11 +131,14 @@ class DMuonFSDP(Optimizer):
         self._mesh_owner: tuple[Any, str] | None = None
         self._plan_key: tuple | None = None
         self._plan: Plan | None = None
+        self._sources: list[int] = []
+        self._rank_in_plan = 0
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
             adjust_lr_fn=adjust_lr_fn, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
             adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
+            flatten=flatten, split_sizes=split_sizes, num_heads=num_heads,
         )  # fmt: skip
         super().__init__(params, defaults)
 
@@ -200,7 +218,7 @@ class DMuonFSDP(Optimizer):
                         raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
                 if not new["use_muon"]:
                     continue
-                describe_param(p, name, merged["ns_steps"])  # raises for layouts not handled yet
+                _matrices_of(p, name, merged)  # raises for layouts not handled yet
                 if not isinstance(p, DTensor) and comm.default_world_size() > 1:
                     raise NotImplementedError(
                         f"{name} is a plain tensor in a job of {comm.default_world_size()} ranks: "
@@ -296,8 +314,12 @@ class DMuonFSDP(Optimizer):
 
     def plan_for(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]]) -> Plan:
         """The (cached) plan for these Muon parameters; rebuilt when their set or layout changes."""
-        layouts = [describe_param(p, self._names[p], g["ns_steps"]) for g, p, _ in entries]
-        key = tuple(zip((id(p) for _, p, _ in entries), layouts))
+        layouts, sources = [], []
+        for i, (group, p, _) in enumerate(entries):
+            for matrix in _matrices_of(p, self._names[p], group):
+                layouts.append(matrix)
+                sources.append(i)
+        key = tuple((id(entries[i][1]), m) for i, m in zip(sources, layouts))
         if self._plan is None or key != self._plan_key:
             meshes = {p.device_mesh if isinstance(p, DTensor) else None for _, p, _ in entries}
             if len(meshes) > 1:
@@ -305,6 +327,7 @@ class DMuonFSDP(Optimizer):
             size = torch.empty((), dtype=self._comm_dtype(entries[0][1].device)).element_size()
             self._plan = build_plan(layouts, len(layouts[0].row_counts), self.bucket_bytes, size)
             self._plan_key = key
+        self._sources = sources
         return self._plan
 
     def _ns_dtype(self, device: torch.device) -> torch.dtype:
@@ -318,10 +341,12 @@ class DMuonFSDP(Optimizer):
         device = entries[0][2].device
         group, rank = comm.process_group_of(entries[0][1])
         exchange = comm.ShardExchange(plan, rank, group, self._comm_dtype(device), stats)
-        local_rows = {
-            j: update.reshape(m.row_counts[rank], m.cols)
-            for j, ((_, _, update), m) in enumerate(zip(entries, plan.matrices))
-        }
+        self._rank_in_plan = rank
+        local_rows = {}
+        for j, m in enumerate(plan.matrices):
+            update = entries[self._sources[j]][2]
+            start = m.local_start(rank)
+            local_rows[j] = update.reshape(update.numel() // m.cols, m.cols)[start : start + m.row_counts[rank]]
         gathers = {}
         scatters = []
         lookahead = 1 if self.overlap else 0
@@ -333,7 +358,7 @@ class DMuonFSDP(Optimizer):
             with stats.phase("newton_schulz"):
                 results = self._orthogonalize(full, entries, device)
             for j, matrix in full.items():
-                stats.ns_flops += newton_schulz_flops(*matrix.shape, entries[j][0]["ns_steps"])
+                stats.ns_flops += newton_schulz_flops(*matrix.shape, entries[self._sources[j]][0]["ns_steps"])
             scatter = exchange.start_scatter(bucket, results, device)
             if self.overlap:
                 scatters.append(scatter)
@@ -348,7 +373,7 @@ class DMuonFSDP(Optimizer):
         """Batched Newton-Schulz over the owned matrices, one batch per shape and settings."""
         batches: dict[tuple, list[int]] = defaultdict(list)
         for j, matrix in full.items():
-            group = entries[j][0]
+            group = entries[self._sources[j]][0]
             coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
             batches[(tuple(matrix.shape), coefficients, group["eps"])].append(j)
         results: dict[int, Tensor] = {}
@@ -367,12 +392,14 @@ class DMuonFSDP(Optimizer):
     ) -> None:
         with stats.phase("apply"):
             for j, block in blocks.items():
-                group, p, _ = entries[j]
+                group, p, _ = entries[self._sources[j]]
                 m: MatrixLayout = plan.matrices[j]
                 lr = float(group["lr"])
                 local = _local(p)
+                rows = local if local.ndim == 2 else local.view(local.numel() // m.cols, m.cols)
+                start = m.local_start(self._rank_in_plan)
+                target = rows[start : start + block.shape[0]]
                 if group["weight_decay"]:
-                    local.mul_(1.0 - lr * group["weight_decay"])
-                scale = adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols)
-                local.add_(block.view(local.shape), alpha=-scale)
+                    target.mul_(1.0 - lr * group["weight_decay"])
+                target.add_(block, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
 

@@ -20,10 +20,11 @@ from dmuon_fsdp.newton_schulz import newton_schulz_flops
 
 @dataclass(frozen=True)
 class MatrixLayout:
-    """One Muon matrix: its global (rows, cols) and how many rows each mesh rank holds.
+    """One Muon matrix: its global (rows, cols) and how many of its rows each mesh rank holds.
 
-    ``row_counts[r]`` rows starting at ``sum(row_counts[:r])`` live on rank r (dim-0 sharding);
-    weights with more than two dims are viewed as (dim0, product of the rest).
+    ``row_counts[r]`` rows starting at ``sum(row_counts[:r])`` live on rank r (dim-0 sharding),
+    from row ``local_starts[r]`` of that rank's local shard (all 0, the default, when the matrix
+    is a whole parameter; a row block of a fused or stacked parameter starts further in).
     """
 
     name: str
@@ -31,6 +32,7 @@ class MatrixLayout:
     cols: int
     row_counts: tuple[int, ...]
     ns_steps: int
+    local_starts: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -47,6 +49,15 @@ class MatrixLayout:
             offsets.append(offsets[-1] + count)
         return tuple(offsets)
 
+    def local_start(self, rank: int) -> int:
+        return self.local_starts[rank] if self.local_starts else 0
+
+    @property
+    def sole_holder(self) -> int | None:
+        """The one rank holding every row, if there is one (it owns the matrix: no exchange)."""
+        holders = [r for r, count in enumerate(self.row_counts) if count]
+        return holders[0] if len(holders) == 1 else None
+
 
 def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
     """Rows per rank under ``torch.chunk`` semantics, as FSDP2 shards dim 0.
@@ -58,17 +69,10 @@ def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
     return tuple(max(0, min(size, rows - r * size)) for r in range(world_size))
 
 
-def describe_param(param: torch.Tensor, name: str, ns_steps: int) -> MatrixLayout:
-    """Read a Muon parameter's layout: a plain tensor (one process) or a 1-D-mesh Shard(0) DTensor.
-
-    Raises NotImplementedError for layouts this release does not exchange (HSDP, TP, replicated).
-    """
-    if param.ndim < 2:
-        raise ValueError(f"parameter {name!r} has shape {tuple(param.shape)}: Muon needs >= 2 dims")
-    rows = param.shape[0]
-    cols = math.prod(param.shape[1:])
+def _shard_rows(param: torch.Tensor, name: str) -> tuple[int, ...]:
+    """How many dim-0 slices of ``param`` each mesh rank holds (one entry for a plain tensor)."""
     if not isinstance(param, DTensor):
-        return MatrixLayout(name, rows, cols, (rows,), ns_steps)
+        return (param.shape[0],)
     mesh, placements = param.device_mesh, tuple(param.placements)
     if mesh.ndim != 1 or placements != (Shard(0),) or type(placements[0]) is not Shard:
         raise NotImplementedError(
@@ -76,15 +80,78 @@ def describe_param(param: torch.Tensor, name: str, ns_steps: int) -> MatrixLayou
             f"{tuple(mesh.shape)}; DMuonFSDP supports only plain FSDP2 sharding (Shard(0) on a 1-D "
             "mesh) so far: HSDP, tensor parallel and replicated layouts are not implemented yet"
         )
-    counts = chunk_row_counts(rows, mesh.size())
+    counts = chunk_row_counts(param.shape[0], mesh.size())
     local_rows = param.to_local().shape[0]
     if local_rows != counts[mesh.get_local_rank()]:
         raise NotImplementedError(
             f"parameter {name!r}: local shard has {local_rows} rows on mesh rank "
             f"{mesh.get_local_rank()}, expected {counts[mesh.get_local_rank()]} from torch.chunk "
-            f"sharding of {rows} rows over {mesh.size()} ranks"
+            f"sharding of {param.shape[0]} rows over {mesh.size()} ranks"
         )
-    return MatrixLayout(name, rows, cols, counts, ns_steps)
+    return counts
+
+
+def row_blocks(
+    name: str, shape: tuple[int, ...], flatten: bool, split_sizes: list[int] | None, num_heads: int | None
+) -> tuple[int, list[tuple[int, int]]]:
+    """(cols, [(first row, rows) of each matrix]) of a parameter seen as a 2-D row-major view.
+
+    ``flatten`` views (dim0, -1); otherwise a >2-D weight is a stack of dim0 matrices of shape
+    (dim1, -1) (expert stacks). Each matrix is then cut into row blocks by ``split_sizes`` (fused
+    weights such as QKV) or into ``num_heads`` equal blocks.
+    """
+    stacked = not flatten and len(shape) > 2
+    per_matrix = shape[1] if stacked else shape[0]
+    cols = math.prod(shape[2:] if stacked else shape[1:])
+    sizes = [per_matrix]
+    if split_sizes is not None:
+        if sum(split_sizes) != per_matrix:
+            raise ValueError(f"parameter {name!r}: split_sizes {split_sizes} do not add up to {per_matrix} rows")
+        sizes = list(split_sizes)
+    elif num_heads is not None:
+        if per_matrix % num_heads:
+            raise ValueError(f"parameter {name!r}: {per_matrix} rows do not split into {num_heads} heads")
+        sizes = [per_matrix // num_heads] * num_heads
+    blocks, start = [], 0
+    for _ in range(shape[0] if stacked else 1):
+        for size in sizes:
+            blocks.append((start, size))
+            start += size
+    return cols, blocks
+
+
+def describe_param(
+    param: torch.Tensor,
+    name: str,
+    ns_steps: int,
+    flatten: bool = True,
+    split_sizes: list[int] | None = None,
+    num_heads: int | None = None,
+) -> list[MatrixLayout]:
+    """The Muon matrices of a parameter: a plain tensor (one process) or a 1-D-mesh Shard(0)
+    DTensor, cut into row blocks as ``row_blocks`` describes.
+
+    Raises NotImplementedError for layouts this release does not exchange (HSDP, TP, replicated).
+    """
+    if param.ndim < 2:
+        raise ValueError(f"parameter {name!r} has shape {tuple(param.shape)}: Muon needs >= 2 dims")
+    shape = tuple(param.shape)
+    cols, blocks = row_blocks(name, shape, flatten, split_sizes, num_heads)
+    rows_per_slice = sum(size for _, size in blocks) // shape[0] if shape[0] else 0
+    rank_rows, held = [], 0
+    for count in _shard_rows(param, name):
+        rank_rows.append((held, count * rows_per_slice))
+        held += count * rows_per_slice
+    layouts = []
+    for first, size in blocks:
+        counts, local = [], []
+        for start, count in rank_rows:
+            lo, hi = max(first, start), min(first + size, start + count)
+            counts.append(max(0, hi - lo))
+            local.append(lo - start if hi > lo else 0)
+        label = name if len(blocks) == 1 else f"{name}[rows {first}:{first + size}]"
+        layouts.append(MatrixLayout(label, size, cols, tuple(counts), ns_steps, tuple(local) if any(local) else None))
+    return layouts
 
 
 @dataclass(frozen=True)
@@ -186,19 +253,30 @@ def makespan_lower_bound(costs: Sequence[int], world_size: int) -> float:
     return low
 
 
-def assign_owners(costs: Sequence[int], world_size: int) -> tuple[list[int], list[int]]:
+def assign_owners(
+    costs: Sequence[int], world_size: int, pinned: Sequence[int | None] | None = None
+) -> tuple[list[int], list[int]]:
     """Longest-processing-time-first: biggest matrix first, each to the least-loaded rank.
 
-    Ties break on matrix index and rank number, so the result depends only on the inputs.
+    ``pinned[j]``, when given, fixes matrix j's owner (its load still counts). Ties break on
+    matrix index and rank number, so the result depends only on the inputs.
     Returns (owner of each matrix, matrix indices in assignment order).
     """
+    pinned = pinned or [None] * len(costs)
     order = sorted(range(len(costs)), key=lambda j: (-costs[j], j))
-    heap = [(0, rank) for rank in range(world_size)]
+    loads = [0] * world_size
     owners = [0] * len(costs)
     for j in order:
-        load, rank = heapq.heappop(heap)
-        owners[j] = rank
-        heapq.heappush(heap, (load + costs[j], rank))
+        if pinned[j] is not None:
+            owners[j] = pinned[j]
+            loads[pinned[j]] += costs[j]
+    heap = [(load, rank) for rank, load in enumerate(loads)]
+    heapq.heapify(heap)
+    for j in order:
+        if pinned[j] is None:
+            load, rank = heapq.heappop(heap)
+            owners[j] = rank
+            heapq.heappush(heap, (load + costs[j], rank))
     return owners, order
 
 
@@ -207,8 +285,9 @@ def build_plan(
 ) -> Plan:
     """Assign owners by NS cost over all matrices and cut them into buckets of bounded bytes.
 
-    Buckets follow the assignment order (largest first), so consecutive matrices go to different
-    owners and every bucket spreads NS work over the ranks; while one bucket's NS runs, the next
+    A matrix held entirely by one rank (a 1-row matrix, an expert of an expert-sharded stack) is
+    owned by that rank and never moves. Buckets follow the assignment order (largest first), so
+    consecutive matrices go to different owners and every bucket spreads NS work over the ranks; while one bucket's NS runs, the next
     bucket's exchange is in flight. A matrix larger than ``bucket_bytes`` gets a bucket of its own.
     """
     if world_size < 1:
@@ -219,7 +298,8 @@ def build_plan(
                 f"matrix {m.name!r}: row counts {m.row_counts} do not split {m.rows} rows over "
                 f"{world_size} ranks"
             )
-    owners, order = assign_owners([m.cost for m in matrices], world_size)
+    pinned = [m.sole_holder if world_size > 1 else None for m in matrices]
+    owners, order = assign_owners([m.cost for m in matrices], world_size, pinned)
     buckets: list[Bucket] = []
     current: list[int] = []
     current_bytes = 0

@@ -26,6 +26,17 @@ def check_muon_group(group: dict[str, Any]) -> None:
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")
     resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+    split_sizes, num_heads = group["split_sizes"], group["num_heads"]
+    if split_sizes is not None and num_heads is not None:
+        raise ValueError("set at most one of split_sizes and num_heads")
+    if split_sizes is not None and not (
+        len(split_sizes) > 0 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split_sizes)
+    ):
+        raise ValueError(f"split_sizes must be a non-empty list of positive integers, got {split_sizes!r}")
+    if num_heads is not None and not (isinstance(num_heads, int) and not isinstance(num_heads, bool) and num_heads > 0):
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
+    if not isinstance(group["flatten"], bool):
+        raise ValueError(f"flatten must be True or False, got {group['flatten']!r}")
 
 
 def check_adamw_group(group: dict[str, Any]) -> None:

@@ -47,8 +47,19 @@ def run_ranks(
 
     ``fn`` must be a module-level function. An exception in any rank re-raises here with that
     rank's traceback; ranks still running after ``timeout`` seconds are killed and the test fails.
-    ``pg_timeout`` is the process group's own timeout for a collective.
+    ``pg_timeout`` is the process group's own timeout for a collective. A port taken by another
+    test between choosing it and binding it is retried with a new port (twice at most).
     """
+    for _ in range(2):
+        try:
+            return _run_once(fn, world_size, args, timeout, pg_timeout)
+        except mp.ProcessRaisedException as e:
+            if "address already in use" not in str(e).lower():
+                raise
+    return _run_once(fn, world_size, args, timeout, pg_timeout)
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout: float) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _rank_main,
@@ -65,7 +76,6 @@ def run_ranks(
                         process.kill()
                 raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
-
 
 
 def cpu_mesh():

@@ -8,6 +8,7 @@ each rank its rows of every orthogonalized matrix in the same order, so both dir
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,35 @@ class ShardExchange:
     def _wait(self, pending: Pending) -> Tensor:
         with self.stats.phase("wait"):
             return pending.wait()
+
+    def run(
+        self,
+        local_rows: dict[int, Tensor],
+        device: torch.device,
+        orthogonalize: Callable[[dict[int, Tensor]], dict[int, Tensor]],
+        apply: Callable[[dict[int, Tensor]], None],
+        overlap: bool,
+    ) -> None:
+        """Every bucket: rows to owners, ``orthogonalize`` on the owners, rows back to ``apply``.
+
+        With ``overlap``, bucket k+1's exchange is launched before bucket k's orthogonalization
+        and all returns are applied at the end; without it, each bucket completes in turn.
+        """
+        buckets = self.plan.buckets
+        gathers: dict[int, Pending] = {}
+        scatters = []
+        for k, bucket in enumerate(buckets):
+            if k not in gathers:
+                gathers[k] = self.start_gather(bucket, local_rows, device)
+            if overlap and k + 1 < len(buckets):
+                gathers[k + 1] = self.start_gather(buckets[k + 1], local_rows, device)
+            scatter = self.start_scatter(bucket, orthogonalize(self.finish_gather(gathers.pop(k))), device)
+            if overlap:
+                scatters.append(scatter)
+            else:
+                apply(self.finish_scatter(scatter))
+        for scatter in scatters:
+            apply(self.finish_scatter(scatter))
 
     def start_gather(self, bucket: Bucket, local_rows: dict[int, Tensor], device: torch.device) -> Pending:
         """Send this rank's rows of each matrix in ``bucket`` to its owner.
@@ -130,6 +160,11 @@ class ShardExchange:
         return blocks
 
 
+def local_shard(t: Tensor) -> Tensor:
+    """This rank's part of a DTensor (a view that in-place ops update), or a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def process_group_of(param: Tensor) -> tuple[dist.ProcessGroup | None, int]:
     """(process group, rank in it) that a parameter's shards live on; (None, 0) for plain tensors."""
     if isinstance(param, DTensor):
@@ -149,8 +184,10 @@ def all_max(values: Tensor, group: dist.ProcessGroup) -> Tensor:
     return values
 
 
-def all_gather_objects(obj: object, group: dist.ProcessGroup) -> list:
-    """Every rank's ``obj``, in group rank order. For rare paths such as building error messages."""
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
+def all_rows(row: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Every rank's ``row`` (1-D), stacked in group rank order: one ``all_reduce`` of a table that
+    each rank fills in its own row. For rare paths such as error messages."""
+    table = torch.zeros(dist.get_world_size(group), row.numel(), dtype=row.dtype, device=row.device)
+    table[dist.get_rank(group)] = row
+    dist.all_reduce(table, group=group)
+    return table

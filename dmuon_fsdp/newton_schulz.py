@@ -8,7 +8,8 @@ normalisation that puts every singular value in [0, 1].
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -130,3 +131,20 @@ def newton_schulz_flops(rows: int, cols: int, ns_steps: int) -> int:
     """Multiply-add flops of ``newton_schulz`` on one rows x cols matrix."""
     s, l = min(rows, cols), max(rows, cols)
     return ns_steps * (4 * s * s * l + 2 * s * s * s)
+
+
+def orthogonalize_all(
+    matrices: dict[int, Tensor],
+    settings: Callable[[int], tuple[tuple[Coefficients, ...], float]],
+    dtype: torch.dtype,
+) -> dict[int, Tensor]:
+    """Orthogonalize every matrix, one batched ``newton_schulz`` per (shape, coefficients, eps);
+    ``settings(j)`` gives matrix j's per-iteration coefficients and eps."""
+    batches: dict[tuple, list[int]] = defaultdict(list)
+    for j, matrix in matrices.items():
+        batches[(tuple(matrix.shape), *settings(j))].append(j)
+    results: dict[int, Tensor] = {}
+    for (_, coefficients, eps), indices in batches.items():
+        out = newton_schulz(torch.stack([matrices[j] for j in indices]), coefficients, eps, dtype)
+        results.update(zip(indices, out.unbind(0)))
+    return results

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dmuon_fsdp import comm, elementwise, validation
 from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, check_gradients
-from dmuon_fsdp.newton_schulz import (
-    MUON_COEFFICIENTS,
-    default_ns_dtype,
-    newton_schulz,
-    newton_schulz_flops,
-    resolve_coefficients,
-)
-from dmuon_fsdp.planner import MatrixLayout, Plan, build_plan, describe_param
+from dmuon_fsdp.comm import local_shard as _local
+from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype, orthogonalize_all, resolve_coefficients
+from dmuon_fsdp.planner import Plan, build_plan, describe_params
 from dmuon_fsdp.stats import StepStats
 
 _OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases", "nonfinite", "check_grads")
@@ -32,14 +26,6 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1.0, rows / cols))
     return lr * 0.2 * math.sqrt(max(rows, cols))
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _matrices_of(p: Tensor, name: str, group: dict[str, Any]) -> list[MatrixLayout]:
-    return describe_param(p, name, group["ns_steps"], group["flatten"], group["split_sizes"], group["num_heads"])
 
 
 class DMuonFSDP(Optimizer):
@@ -131,8 +117,6 @@ class DMuonFSDP(Optimizer):
         self._mesh_owner: tuple[Any, str] | None = None
         self._plan_key: tuple | None = None
         self._plan: Plan | None = None
-        self._sources: list[int] = []
-        self._rank_in_plan = 0
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
@@ -189,55 +173,16 @@ class DMuonFSDP(Optimizer):
                 if not (use_muon is False and key in group):
                     adamw_group[key] = group.get(f"adamw_{key}", self.defaults[f"adamw_{key}"])
             new_groups.append(adamw_group)
-        mesh_owner = self._check_layouts(new_groups, names)
+        self._mesh_owner = validation.check_new_groups(new_groups, names, self.defaults, self._mesh_owner)
         self._names.update(names)
-        self._mesh_owner = mesh_owner
         for new in new_groups:
             super().add_param_group(new)
             self._init_state(self.param_groups[-1])
 
-    def _check_layouts(self, new_groups: list[dict[str, Any]], names: dict[Tensor, str]) -> Any:
-        """Validate hyper-parameters and layouts of groups about to be added; returns the mesh
-        (and the first parameter on it) that all Muon parameters share."""
-        mesh_owner = self._mesh_owner
-        for new in new_groups:
-            merged = {**self.defaults, **new}
-            (validation.check_muon_group if new["use_muon"] else validation.check_adamw_group)(merged)
-            for item in new["params"]:
-                p = item[1] if isinstance(item, tuple) else item
-                name = names[p]
-                if isinstance(p, DTensor):
-                    if any(isinstance(pl, Partial) for pl in p.placements):
-                        raise NotImplementedError(f"{name} has Partial placements {p.placements}")
-                    if p.device.type != p.device_mesh.device_type:
-                        raise NotImplementedError(
-                            f"{name} is on {p.device} but its mesh on {p.device_mesh.device_type}: "
-                            "offloaded parameters (CPUOffloadPolicy) are not supported"
-                        )
-                    if p.device_mesh.get_coordinate() is None:
-                        raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
-                if not new["use_muon"]:
-                    continue
-                _matrices_of(p, name, merged)  # raises for layouts not handled yet
-                if not isinstance(p, DTensor) and comm.default_world_size() > 1:
-                    raise NotImplementedError(
-                        f"{name} is a plain tensor in a job of {comm.default_world_size()} ranks: "
-                        "replicated (DDP) parameters are not supported yet; shard the model with fully_shard"
-                    )
-                mesh = p.device_mesh if isinstance(p, DTensor) else None
-                if mesh_owner is None:
-                    mesh_owner = (mesh, name)
-                elif mesh_owner[0] != mesh:
-                    raise ValueError(
-                        f"all Muon parameters must live on one device mesh: {name} is on {mesh} but "
-                        f"{mesh_owner[1]} is on {mesh_owner[0]}"
-                    )
-        return mesh_owner
-
     def _init_state(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
             if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and self._check_group is None:
-                self._check_group = p.device_mesh.get_group(0)
+                self._check_group = comm.process_group_of(p)[0]
             zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group["use_muon"]:
                 self.state[p]["momentum_buffer"] = zeros
@@ -272,7 +217,7 @@ class DMuonFSDP(Optimizer):
         stats = StepStats(device, timed=self.time_phases)
         self.last_step_stats = stats
         if not check_gradients(params, self._names, self._check_group, self.nonfinite, self.check_grads,
-                               self._state_mismatches()):  # fmt: skip
+                               self._relayouted()):  # fmt: skip
             stats.skipped = True
             return loss
         entries: list[tuple[dict[str, Any], Tensor, Tensor]] = []
@@ -298,36 +243,26 @@ class DMuonFSDP(Optimizer):
             self._muon_update(entries, stats)
         return loss
 
-    def _state_mismatches(self) -> list[str]:
+    def _relayouted(self) -> set[Tensor]:
         """Parameters whose local shard no longer matches their state (resharded or resized)."""
-        found = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                for key, value in self.state[p].items():
-                    if key != "step" and isinstance(value, Tensor) and _local(value).shape != _local(p).shape:
-                        found.append(
-                            f"{self._names[p]} changed layout after the optimizer was built: its {key} "
-                            f"shard is {tuple(_local(value).shape)}, the parameter's {tuple(_local(p).shape)}"
-                        )
-                        break
-        return found
+        return {
+            p
+            for group in self.param_groups
+            for p in group["params"]
+            if any(key != "step" and _local(v).shape != _local(p).shape for key, v in self.state[p].items())
+        }
 
     def plan_for(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]]) -> Plan:
         """The (cached) plan for these Muon parameters; rebuilt when their set or layout changes."""
-        layouts, sources = [], []
-        for i, (group, p, _) in enumerate(entries):
-            for matrix in _matrices_of(p, self._names[p], group):
-                layouts.append(matrix)
-                sources.append(i)
+        layouts, sources = describe_params([(p, self._names[p], group) for group, p, _ in entries])
         key = tuple((id(entries[i][1]), m) for i, m in zip(sources, layouts))
         if self._plan is None or key != self._plan_key:
             meshes = {p.device_mesh if isinstance(p, DTensor) else None for _, p, _ in entries}
             if len(meshes) > 1:
                 raise ValueError(f"Muon parameters moved to different meshes after construction: {meshes}")
             size = torch.empty((), dtype=self._comm_dtype(entries[0][1].device)).element_size()
-            self._plan = build_plan(layouts, len(layouts[0].row_counts), self.bucket_bytes, size)
+            self._plan = build_plan(layouts, len(layouts[0].row_counts), self.bucket_bytes, size, sources)
             self._plan_key = key
-        self._sources = sources
         return self._plan
 
     def _ns_dtype(self, device: torch.device) -> torch.dtype:
@@ -340,66 +275,46 @@ class DMuonFSDP(Optimizer):
         plan = self.plan_for(entries)
         device = entries[0][2].device
         group, rank = comm.process_group_of(entries[0][1])
-        exchange = comm.ShardExchange(plan, rank, group, self._comm_dtype(device), stats)
-        self._rank_in_plan = rank
         local_rows = {}
         for j, m in enumerate(plan.matrices):
-            update = entries[self._sources[j]][2]
+            update = entries[plan.sources[j]][2]
             start = m.local_start(rank)
             local_rows[j] = update.reshape(update.numel() // m.cols, m.cols)[start : start + m.row_counts[rank]]
-        gathers = {}
-        scatters = []
-        lookahead = 1 if self.overlap else 0
-        for k, bucket in enumerate(plan.buckets):
-            for ahead in range(k, min(k + lookahead + 1, len(plan.buckets))):
-                if ahead not in gathers:
-                    gathers[ahead] = exchange.start_gather(plan.buckets[ahead], local_rows, device)
-            full = exchange.finish_gather(gathers.pop(k))
+
+        def orthogonalize(full: dict[int, Tensor]) -> dict[int, Tensor]:
+            stats.ns_flops += sum(plan.matrices[j].cost for j in full)
             with stats.phase("newton_schulz"):
-                results = self._orthogonalize(full, entries, device)
-            for j, matrix in full.items():
-                stats.ns_flops += newton_schulz_flops(*matrix.shape, entries[self._sources[j]][0]["ns_steps"])
-            scatter = exchange.start_scatter(bucket, results, device)
-            if self.overlap:
-                scatters.append(scatter)
-            else:
-                self._apply(exchange.finish_scatter(scatter), entries, plan, stats)
-        for scatter in scatters:
-            self._apply(exchange.finish_scatter(scatter), entries, plan, stats)
+                return self._orthogonalize(full, entries, plan, device)
+
+        def apply(blocks: dict[int, Tensor]) -> None:
+            with stats.phase("apply"):
+                self._apply(blocks, entries, plan, rank)
+
+        exchange = comm.ShardExchange(plan, rank, group, self._comm_dtype(device), stats)
+        exchange.run(local_rows, device, orthogonalize, apply, self.overlap)
 
     def _orthogonalize(
-        self, full: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], device: torch.device
+        self, full: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], plan: Plan, device
     ) -> dict[int, Tensor]:
-        """Batched Newton-Schulz over the owned matrices, one batch per shape and settings."""
-        batches: dict[tuple, list[int]] = defaultdict(list)
-        for j, matrix in full.items():
-            group = entries[self._sources[j]][0]
-            coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-            batches[(tuple(matrix.shape), coefficients, group["eps"])].append(j)
-        results: dict[int, Tensor] = {}
-        for (_, coefficients, eps), indices in batches.items():
-            stacked = torch.stack([full[j] for j in indices])
-            out = newton_schulz(stacked, coefficients, eps, self._ns_dtype(device))
-            results.update(zip(indices, out.unbind(0)))
-        return results
+        """Batched Newton-Schulz over one bucket's owned matrices (called once per bucket)."""
+
+        def settings(j: int) -> tuple:
+            group = entries[plan.sources[j]][0]
+            return resolve_coefficients(group["ns_coefficients"], group["ns_steps"]), group["eps"]
+
+        return orthogonalize_all(full, settings, self._ns_dtype(device))
 
     def _apply(
-        self,
-        blocks: dict[int, Tensor],
-        entries: list[tuple[dict[str, Any], Tensor, Tensor]],
-        plan: Plan,
-        stats: StepStats,
+        self, blocks: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], plan: Plan, rank: int
     ) -> None:
-        with stats.phase("apply"):
-            for j, block in blocks.items():
-                group, p, _ = entries[self._sources[j]]
-                m: MatrixLayout = plan.matrices[j]
-                lr = float(group["lr"])
-                local = _local(p)
-                rows = local if local.ndim == 2 else local.view(local.numel() // m.cols, m.cols)
-                start = m.local_start(self._rank_in_plan)
-                target = rows[start : start + block.shape[0]]
-                if group["weight_decay"]:
-                    target.mul_(1.0 - lr * group["weight_decay"])
-                target.add_(block, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
-
+        """Weight decay and the scaled update on this rank's rows of each block."""
+        for j, block in blocks.items():
+            group, p, _ = entries[plan.sources[j]]
+            m = plan.matrices[j]
+            lr = float(group["lr"])
+            local = _local(p)
+            rows = local if local.ndim == 2 else local.view(local.numel() // m.cols, m.cols)
+            target = rows[m.local_start(rank) : m.local_start(rank) + block.shape[0]]
+            if group["weight_decay"]:
+                target.mul_(1.0 - lr * group["weight_decay"])
+            target.add_(block, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))

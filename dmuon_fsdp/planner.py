@@ -154,6 +154,18 @@ def describe_param(
     return layouts
 
 
+def describe_params(params: Sequence[tuple[torch.Tensor, str, dict]]) -> tuple[list[MatrixLayout], list[int]]:
+    """The matrices of (parameter, name, group options) items, and the item each belongs to."""
+    layouts, sources = [], []
+    for index, (param, name, group) in enumerate(params):
+        for layout in describe_param(
+            param, name, group["ns_steps"], group["flatten"], group["split_sizes"], group["num_heads"]
+        ):
+            layouts.append(layout)
+            sources.append(index)
+    return layouts, sources
+
+
 @dataclass(frozen=True)
 class Bucket:
     """Matrices (indices into ``Plan.matrices``) exchanged by one pair of all-to-alls."""
@@ -163,12 +175,14 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Plan:
-    """Owners and buckets for a list of matrices over ``world_size`` ranks."""
+    """Owners and buckets for a list of matrices over ``world_size`` ranks; ``sources[j]`` is the
+    index of the parameter matrix j belongs to (a parameter may hold several row blocks)."""
 
     matrices: tuple[MatrixLayout, ...]
     owners: tuple[int, ...]
     buckets: tuple[Bucket, ...]
     world_size: int
+    sources: tuple[int, ...]
 
     def owned_by(self, bucket: Bucket, rank: int) -> list[int]:
         return [j for j in bucket.matrices if self.owners[j] == rank]
@@ -281,7 +295,11 @@ def assign_owners(
 
 
 def build_plan(
-    matrices: Sequence[MatrixLayout], world_size: int, bucket_bytes: int, element_size: int
+    matrices: Sequence[MatrixLayout],
+    world_size: int,
+    bucket_bytes: int,
+    element_size: int,
+    sources: Sequence[int] | None = None,
 ) -> Plan:
     """Assign owners by NS cost over all matrices and cut them into buckets of bounded bytes.
 
@@ -312,4 +330,5 @@ def build_plan(
         current_bytes += size
     if current:
         buckets.append(Bucket(tuple(current)))
-    return Plan(tuple(matrices), tuple(owners), tuple(buckets), world_size)
+    sources = tuple(sources) if sources is not None else tuple(range(len(matrices)))
+    return Plan(tuple(matrices), tuple(owners), tuple(buckets), world_size, sources)

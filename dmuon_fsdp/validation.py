@@ -6,8 +6,11 @@ import math
 from typing import Any
 
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial
 
+from dmuon_fsdp import comm
 from dmuon_fsdp.newton_schulz import resolve_coefficients
+from dmuon_fsdp.planner import describe_params
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -53,3 +56,46 @@ def check_saved_state(name: str, param: Tensor, expected: dict[str, Any], saved:
     for key, value in saved.items():
         if key != "step" and tuple(value.shape) != tuple(expected[key].shape):
             raise ValueError(f"{name}: saved {key} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+
+
+def check_new_groups(
+    new_groups: list[dict[str, Any]], names: dict[Tensor, str], defaults: dict[str, Any], mesh_owner: Any
+) -> Any:
+    """Validate hyper-parameters and layouts of groups about to be added to the optimizer.
+
+    ``mesh_owner`` is (mesh, name of the first parameter on it) for the Muon parameters seen so
+    far, or None; returns it updated. All Muon parameters must share one mesh.
+    """
+    for new in new_groups:
+        merged = {**defaults, **new}
+        (check_muon_group if new["use_muon"] else check_adamw_group)(merged)
+        for item in new["params"]:
+            p = item[1] if isinstance(item, tuple) else item
+            name = names[p]
+            if isinstance(p, DTensor):
+                if any(isinstance(pl, Partial) for pl in p.placements):
+                    raise NotImplementedError(f"{name} has Partial placements {p.placements}")
+                if p.device.type != p.device_mesh.device_type:
+                    raise NotImplementedError(
+                        f"{name} is on {p.device} but its mesh on {p.device_mesh.device_type}: "
+                        "offloaded parameters (CPUOffloadPolicy) are not supported"
+                    )
+                if p.device_mesh.get_coordinate() is None:
+                    raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
+            if not new["use_muon"]:
+                continue
+            describe_params([(p, name, merged)])  # raises for layouts not handled yet
+            if not isinstance(p, DTensor) and comm.default_world_size() > 1:
+                raise NotImplementedError(
+                    f"{name} is a plain tensor in a job of {comm.default_world_size()} ranks: "
+                    "replicated (DDP) parameters are not supported yet; shard the model with fully_shard"
+                )
+            mesh = p.device_mesh if isinstance(p, DTensor) else None
+            if mesh_owner is None:
+                mesh_owner = (mesh, name)
+            elif mesh_owner[0] != mesh:
+                raise ValueError(
+                    f"all Muon parameters must live on one device mesh: {name} is on {mesh} but "
+                    f"{mesh_owner[1]} is on {mesh_owner[0]}"
+                )
+    return mesh_owner

@@ -179,10 +179,9 @@ def train(args: argparse.Namespace) -> dict:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         metrics = open(run_dir / "metrics.jsonl", "a" if resume else "w")
+        resuming = f"; resuming from step {start}" if resume else ""
         print(f"{args.optimizer}: {model.num_params() / 1e6:.2f}M parameters, {world} ranks on {device}, "
-              f"{corpus.description}; resuming from step {start}" if resume else
-              f"{args.optimizer}: {model.num_params() / 1e6:.2f}M parameters, {world} ranks on {device}, "
-              f"{corpus.description}", flush=True)  # fmt: skip
+              f"{corpus.description}{resuming}", flush=True)  # fmt: skip
     progress = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm

@@ -1,9 +1,9 @@
-"""Moving shards to their owners and orthogonalized rows back: the only torch.distributed calls.
+"""Moving pieces to their owners and orthogonalized pieces back: the only torch.distributed calls.
 
-Wire layout of one bucket (forward, shards -> owners): a rank's send buffer holds, per owner in
-rank order, its rows of each matrix that owner owns, in bucket order. The reverse exchange sends
-each rank its rows of every orthogonalized matrix in the same order, so both directions use one
-``all_to_all_single`` whose split sizes come straight from the plan.
+Wire layout of one bucket (see ``Plan``): a buffer holds, per peer rank in rank order, the pieces
+of the bucket's matrices in bucket order. Each direction is one ``all_to_all_single`` whose split
+sizes come straight from the plan; the two differ when matrices are replicated (HSDP, DDP, a TP
+dim a weight is replicated on): one copy travels to the owner, every copy gets the result.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon_fsdp.planner import Bucket, Plan
+from dmuon_fsdp.planner import Bucket, Piece, Plan
 from dmuon_fsdp.stats import StepStats
 
 
@@ -24,7 +24,7 @@ from dmuon_fsdp.stats import StepStats
 class Pending:
     """An exchange in flight. Holds the buffers so they outlive the asynchronous collective."""
 
-    bucket: Bucket
+    bucket: int
     send: Tensor
     receive: Tensor
     work: dist.Work | None
@@ -37,26 +37,29 @@ class Pending:
 
 
 class ShardExchange:
-    """Exchanges for one plan, seen from one rank of ``group`` (None: a single process)."""
+    """Exchanges for one plan, seen from one rank of ``group`` (None: a single process).
 
-    def __init__(
-        self, plan: Plan, rank: int, group: dist.ProcessGroup | None, dtype: torch.dtype, stats: StepStats
-    ):
+    Split sizes are computed once per plan; build one per plan and reuse it every step.
+    """
+
+    def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup | None, dtype: torch.dtype):
         if group is None and plan.world_size != 1:
             raise ValueError(f"a plan over {plan.world_size} ranks needs a process group")
-        self.plan, self.rank, self.group, self.dtype, self.stats = plan, rank, group, dtype, stats
+        self.plan, self.rank, self.group, self.dtype = plan, rank, group, dtype
+        self.gather_counts = [plan.gather_counts(b, rank) for b in plan.buckets]
+        self.scatter_counts = [plan.scatter_counts(b, rank) for b in plan.buckets]
+        self.stats = StepStats(torch.device("cpu"))
 
-    def _launch(self, bucket: Bucket, send: Tensor, out_counts: list[int], in_counts: list[int]) -> Pending:
-        receive = torch.empty(sum(out_counts), dtype=self.dtype, device=send.device)
+    def _launch(self, bucket: int, send: Tensor, counts: tuple[list[int], list[int]]) -> Pending:
+        send_counts, receive_counts = counts
+        receive = torch.empty(sum(receive_counts), dtype=self.dtype, device=send.device)
         size = send.element_size()
-        self.stats.bytes_sent += (sum(in_counts) - in_counts[self.rank]) * size
-        self.stats.bytes_received += (sum(out_counts) - out_counts[self.rank]) * size
+        self.stats.bytes_sent += (sum(send_counts) - send_counts[self.rank]) * size
+        self.stats.bytes_received += (sum(receive_counts) - receive_counts[self.rank]) * size
         if self.group is None:
             receive.copy_(send)
             return Pending(bucket, send, receive, None)
-        work = dist.all_to_all_single(
-            receive, send, out_counts, in_counts, group=self.group, async_op=True
-        )
+        work = dist.all_to_all_single(receive, send, receive_counts, send_counts, group=self.group, async_op=True)
         self.stats.collectives += 1
         return Pending(bucket, send, receive, work)
 
@@ -66,26 +69,28 @@ class ShardExchange:
 
     def run(
         self,
-        local_rows: dict[int, Tensor],
+        local_pieces: dict[int, Tensor],
         device: torch.device,
         orthogonalize: Callable[[dict[int, Tensor]], dict[int, Tensor]],
         apply: Callable[[dict[int, Tensor]], None],
         overlap: bool,
+        stats: StepStats,
     ) -> None:
-        """Every bucket: rows to owners, ``orthogonalize`` on the owners, rows back to ``apply``.
+        """Every bucket: pieces to owners, ``orthogonalize`` on the owners, pieces back to ``apply``.
 
         With ``overlap``, bucket k+1's exchange is launched before bucket k's orthogonalization
         and all returns are applied at the end; without it, each bucket completes in turn.
         """
-        buckets = self.plan.buckets
+        self.stats = stats
+        count = len(self.plan.buckets)
         gathers: dict[int, Pending] = {}
         scatters = []
-        for k, bucket in enumerate(buckets):
+        for k in range(count):
             if k not in gathers:
-                gathers[k] = self.start_gather(bucket, local_rows, device)
-            if overlap and k + 1 < len(buckets):
-                gathers[k + 1] = self.start_gather(buckets[k + 1], local_rows, device)
-            scatter = self.start_scatter(bucket, orthogonalize(self.finish_gather(gathers.pop(k))), device)
+                gathers[k] = self.start_gather(k, local_pieces, device)
+            if overlap and k + 1 < count:
+                gathers[k + 1] = self.start_gather(k + 1, local_pieces, device)
+            scatter = self.start_scatter(k, orthogonalize(self.finish_gather(gathers.pop(k))), device)
             if overlap:
                 scatters.append(scatter)
             else:
@@ -93,71 +98,80 @@ class ShardExchange:
         for scatter in scatters:
             apply(self.finish_scatter(scatter))
 
-    def start_gather(self, bucket: Bucket, local_rows: dict[int, Tensor], device: torch.device) -> Pending:
-        """Send this rank's rows of each matrix in ``bucket`` to its owner.
+    def _order(self, bucket: Bucket, peer_is_owner: bool) -> list[tuple[int, list[int]]]:
+        """(peer, matrices) in wire order: the bucket's matrices owned by each peer (True) or,
+        for this rank as owner, every peer with the matrices it owns (False)."""
+        plan = self.plan
+        if peer_is_owner:
+            return [(o, [j for j in bucket.matrices if plan.owners[j] == o]) for o in range(plan.world_size)]
+        owned = plan.owned_by(bucket, self.rank)
+        return [(peer, owned) for peer in range(plan.world_size)]
 
-        ``local_rows[j]`` is this rank's (row_counts[rank], cols) block of matrix j.
+    def start_gather(self, k: int, local_pieces: dict[int, Tensor], device: torch.device) -> Pending:
+        """Send this rank's piece of each matrix in bucket k to its owner, if it is a sender.
+
+        ``local_pieces[j]`` is this rank's (piece.rows, piece.cols) block of matrix j.
         """
         plan = self.plan
-        counts = plan.send_counts(bucket, self.rank)
+        counts = self.gather_counts[k]
         with self.stats.phase("pack"):
-            send = torch.empty(sum(counts), dtype=self.dtype, device=device)
+            send = torch.empty(sum(counts[0]), dtype=self.dtype, device=device)
             offset = 0
-            for owner in range(plan.world_size):
-                for j in bucket.matrices:
-                    if plan.owners[j] == owner:
-                        block = local_rows[j]
+            for _, matrices in self._order(plan.buckets[k], peer_is_owner=True):
+                for j in matrices:
+                    if self.rank in plan.senders[j]:
+                        block = local_pieces[j]
                         send[offset : offset + block.numel()].view_as(block).copy_(block)
                         offset += block.numel()
-        return self._launch(bucket, send, plan.receive_counts(bucket, self.rank), counts)
+        return self._launch(k, send, counts)
 
     def finish_gather(self, pending: Pending) -> dict[int, Tensor]:
-        """Wait, then reassemble the full (rows, cols) matrices this rank owns in the bucket."""
+        """Wait, then assemble the full (rows, cols) matrices this rank owns in the bucket."""
         plan = self.plan
         receive = self._wait(pending)
-        owned = plan.owned_by(pending.bucket, self.rank)
-        pieces: dict[int, list[Tensor]] = {j: [] for j in owned}
-        offset = 0
-        for src in range(plan.world_size):
-            for j in owned:
-                m = plan.matrices[j]
-                size = m.row_counts[src] * m.cols
-                pieces[j].append(receive[offset : offset + size].view(m.row_counts[src], m.cols))
-                offset += size
         with self.stats.phase("pack"):
-            return {j: torch.cat(pieces[j]) for j in owned}
-
-    def start_scatter(self, bucket: Bucket, results: dict[int, Tensor], device: torch.device) -> Pending:
-        """Send every rank its rows of each orthogonalized matrix this rank owns in the bucket."""
-        plan = self.plan
-        owned = plan.owned_by(bucket, self.rank)
-        out_counts = plan.receive_counts(bucket, self.rank)
-        with self.stats.phase("pack"):
-            send = torch.empty(sum(out_counts), dtype=self.dtype, device=device)
+            owned = plan.owned_by(plan.buckets[pending.bucket], self.rank)
+            full = {j: receive.new_empty(plan.matrices[j].rows, plan.matrices[j].cols) for j in owned}
             offset = 0
-            for dst in range(plan.world_size):
-                for j in owned:
-                    m = plan.matrices[j]
-                    start, rows = m.row_offsets[dst], m.row_counts[dst]
-                    block = send[offset : offset + rows * m.cols].view(rows, m.cols)
-                    block.copy_(results[j][start : start + rows])
-                    offset += rows * m.cols
-        return self._launch(bucket, send, plan.send_counts(bucket, self.rank), out_counts)
+            for src, matrices in self._order(plan.buckets[pending.bucket], peer_is_owner=False):
+                for j in matrices:
+                    if src in plan.senders[j]:
+                        p = plan.matrices[j].pieces[src]
+                        _region(full[j], p).copy_(receive[offset : offset + p.numel].view(p.rows, p.cols))
+                        offset += p.numel
+            return full
+
+    def start_scatter(self, k: int, results: dict[int, Tensor], device: torch.device) -> Pending:
+        """Send every rank its piece of each orthogonalized matrix this rank owns in bucket k."""
+        plan = self.plan
+        counts = self.scatter_counts[k]
+        with self.stats.phase("pack"):
+            send = torch.empty(sum(counts[0]), dtype=self.dtype, device=device)
+            offset = 0
+            for dst, matrices in self._order(plan.buckets[k], peer_is_owner=False):
+                for j in matrices:
+                    p = plan.matrices[j].pieces[dst]
+                    send[offset : offset + p.numel].view(p.rows, p.cols).copy_(_region(results[j], p))
+                    offset += p.numel
+        return self._launch(k, send, counts)
 
     def finish_scatter(self, pending: Pending) -> dict[int, Tensor]:
-        """Wait, then return this rank's (row_counts[rank], cols) block of each bucket matrix."""
+        """Wait, then return this rank's (piece.rows, piece.cols) block of each bucket matrix it holds."""
         plan = self.plan
         receive = self._wait(pending)
         blocks: dict[int, Tensor] = {}
         offset = 0
-        for owner in range(plan.world_size):
-            for j in pending.bucket.matrices:
-                if plan.owners[j] == owner:
-                    m = plan.matrices[j]
-                    size = m.row_counts[self.rank] * m.cols
-                    blocks[j] = receive[offset : offset + size].view(m.row_counts[self.rank], m.cols)
-                    offset += size
+        for _, matrices in self._order(plan.buckets[pending.bucket], peer_is_owner=True):
+            for j in matrices:
+                p = plan.matrices[j].pieces[self.rank]
+                if p.numel:
+                    blocks[j] = receive[offset : offset + p.numel].view(p.rows, p.cols)
+                    offset += p.numel
         return blocks
+
+
+def _region(matrix: Tensor, piece: Piece) -> Tensor:
+    return matrix[piece.row : piece.row + piece.rows, piece.col : piece.col + piece.cols]
 
 
 def local_shard(t: Tensor) -> Tensor:
@@ -165,12 +179,25 @@ def local_shard(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def process_group_of(param: Tensor) -> tuple[dist.ProcessGroup | None, int]:
-    """(process group, rank in it) that a parameter's shards live on; (None, 0) for plain tensors."""
-    if isinstance(param, DTensor):
-        mesh = param.device_mesh
+def exchange_group(param: Tensor | None) -> tuple[dist.ProcessGroup | None, int]:
+    """(process group, rank in it) over which a parameter's matrices move: all ranks of its root
+    mesh, group ranks in row-major mesh coordinate order; for a plain tensor, the default group
+    (None, 0 when there is none or it has one rank)."""
+    if not isinstance(param, DTensor):
+        if default_world_size() > 1:
+            return dist.group.WORLD, dist.get_rank()
+        return None, 0
+    mesh = param.device_mesh._get_root_mesh()
+    if mesh.ndim == 1:
         return mesh.get_group(0), mesh.get_local_rank(0)
-    return None, 0
+    if mesh.mesh.flatten().tolist() == list(range(dist.get_world_size())):
+        return dist.group.WORLD, dist.get_rank()
+    if not mesh.mesh_dim_names:
+        raise NotImplementedError(
+            f"{mesh} covers part of the job's ranks and has no dim names to flatten it by"
+        )
+    flat = mesh._flatten()
+    return flat.get_group(0), flat.get_local_rank(0)
 
 
 def default_world_size() -> int:

@@ -15,7 +15,8 @@ from dmuon_fsdp import comm, elementwise, validation
 from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, check_gradients
 from dmuon_fsdp.comm import local_shard as _local
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype, orthogonalize_all, resolve_coefficients
-from dmuon_fsdp.planner import Plan, build_plan, describe_params
+from dmuon_fsdp.layouts import describe_params
+from dmuon_fsdp.planner import Plan, build_plan
 from dmuon_fsdp.stats import StepStats
 
 _OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases", "nonfinite", "check_grads")
@@ -111,12 +112,14 @@ class DMuonFSDP(Optimizer):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite, self.check_grads = nonfinite, bool(check_grads)
+        self._exchange: tuple[Any, int] | None = None  # (process group, rank) of the Muon exchange
         self._check_group: Any = None
         self.last_step_stats: StepStats | None = None
         self._names: dict[Tensor, str] = {}
         self._mesh_owner: tuple[Any, str] | None = None
         self._plan_key: tuple | None = None
         self._plan: Plan | None = None
+        self._shard_exchange: comm.ShardExchange | None = None
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
@@ -180,9 +183,12 @@ class DMuonFSDP(Optimizer):
             self._init_state(self.param_groups[-1])
 
     def _init_state(self, group: dict[str, Any]) -> None:
+        if group["use_muon"] and group["params"] and self._exchange is None:
+            self._exchange = comm.exchange_group(group["params"][0])
+            self._check_group = self._exchange[0]
         for p in group["params"]:
-            if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and self._check_group is None:
-                self._check_group = comm.process_group_of(p)[0]
+            if self._check_group is None and (isinstance(p, DTensor) or comm.default_world_size() > 1):
+                self._check_group = comm.exchange_group(p)[0]
             zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group["use_muon"]:
                 self.state[p]["momentum_buffer"] = zeros
@@ -254,15 +260,21 @@ class DMuonFSDP(Optimizer):
 
     def plan_for(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]]) -> Plan:
         """The (cached) plan for these Muon parameters; rebuilt when their set or layout changes."""
-        layouts, sources = describe_params([(p, self._names[p], group) for group, p, _ in entries])
-        key = tuple((id(entries[i][1]), m) for i, m in zip(sources, layouts))
+        key = tuple(
+            (id(p), p.shape, _local(p).shape, getattr(p, "placements", None), getattr(p, "device_mesh", None),
+             g["ns_steps"], g["flatten"], tuple(g["split_sizes"] or ()), g["num_heads"])
+            for g, p, _ in entries
+        )  # fmt: skip
         if self._plan is None or key != self._plan_key:
-            meshes = {p.device_mesh if isinstance(p, DTensor) else None for _, p, _ in entries}
+            meshes = {p.device_mesh._get_root_mesh() if isinstance(p, DTensor) else None for _, p, _ in entries}
             if len(meshes) > 1:
                 raise ValueError(f"Muon parameters moved to different meshes after construction: {meshes}")
+            world = comm.default_world_size()
+            layouts, param_of = describe_params([(p, self._names[p], g) for g, p, _ in entries], world)
             size = torch.empty((), dtype=self._comm_dtype(entries[0][1].device)).element_size()
-            self._plan = build_plan(layouts, len(layouts[0].row_counts), self.bucket_bytes, size, sources)
+            self._plan = build_plan(layouts, len(layouts[0].pieces), self.bucket_bytes, size, param_of)
             self._plan_key = key
+            self._shard_exchange = None
         return self._plan
 
     def _ns_dtype(self, device: torch.device) -> torch.dtype:
@@ -274,12 +286,15 @@ class DMuonFSDP(Optimizer):
     def _muon_update(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]], stats: StepStats) -> None:
         plan = self.plan_for(entries)
         device = entries[0][2].device
-        group, rank = comm.process_group_of(entries[0][1])
-        local_rows = {}
+        group, rank = self._exchange or (None, 0)
+        if self._shard_exchange is None:
+            self._shard_exchange = comm.ShardExchange(plan, rank, group, self._comm_dtype(device))
+        local_pieces = {}
         for j, m in enumerate(plan.matrices):
-            update = entries[plan.sources[j]][2]
-            start = m.local_start(rank)
-            local_rows[j] = update.reshape(update.numel() // m.cols, m.cols)[start : start + m.row_counts[rank]]
+            piece = m.pieces[rank]
+            if piece.numel:
+                update = entries[plan.param_of[j]][2]
+                local_pieces[j] = update.reshape(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
 
         def orthogonalize(full: dict[int, Tensor]) -> dict[int, Tensor]:
             stats.ns_flops += sum(plan.matrices[j].cost for j in full)
@@ -290,8 +305,7 @@ class DMuonFSDP(Optimizer):
             with stats.phase("apply"):
                 self._apply(blocks, entries, plan, rank)
 
-        exchange = comm.ShardExchange(plan, rank, group, self._comm_dtype(device), stats)
-        exchange.run(local_rows, device, orthogonalize, apply, self.overlap)
+        self._shard_exchange.run(local_pieces, device, orthogonalize, apply, self.overlap, stats)
 
     def _orthogonalize(
         self, full: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], plan: Plan, device
@@ -299,7 +313,7 @@ class DMuonFSDP(Optimizer):
         """Batched Newton-Schulz over one bucket's owned matrices (called once per bucket)."""
 
         def settings(j: int) -> tuple:
-            group = entries[plan.sources[j]][0]
+            group = entries[plan.param_of[j]][0]
             return resolve_coefficients(group["ns_coefficients"], group["ns_steps"]), group["eps"]
 
         return orthogonalize_all(full, settings, self._ns_dtype(device))
@@ -307,14 +321,13 @@ class DMuonFSDP(Optimizer):
     def _apply(
         self, blocks: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], plan: Plan, rank: int
     ) -> None:
-        """Weight decay and the scaled update on this rank's rows of each block."""
+        """Weight decay and the scaled update on this rank's piece of each matrix."""
         for j, block in blocks.items():
-            group, p, _ = entries[plan.sources[j]]
+            group, p, _ = entries[plan.param_of[j]]
             m = plan.matrices[j]
+            piece = m.pieces[rank]
             lr = float(group["lr"])
-            local = _local(p)
-            rows = local if local.ndim == 2 else local.view(local.numel() // m.cols, m.cols)
-            target = rows[m.local_start(rank) : m.local_start(rank) + block.shape[0]]
+            target = _local(p).view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
             if group["weight_decay"]:
                 target.mul_(1.0 - lr * group["weight_decay"])
             target.add_(block, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))

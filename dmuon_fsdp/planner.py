@@ -1,7 +1,7 @@
 """The exchange plan: who orthogonalizes which matrix, and in which bucket.
 
-Pure Python: no collectives and no tensors beyond reading a parameter's shape, placements and
-mesh. Every rank derives the identical plan from the same inputs, so no rank has to ask another.
+Pure Python: no collectives and no tensors. Every rank derives the identical plan from the same
+matrix layouts (see ``layouts``), so no rank has to ask another.
 """
 
 from __future__ import annotations
@@ -12,27 +12,53 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
-from torch.distributed.tensor import DTensor, Shard
-
 from dmuon_fsdp.newton_schulz import newton_schulz_flops
 
 
 @dataclass(frozen=True)
-class MatrixLayout:
-    """One Muon matrix: its global (rows, cols) and how many of its rows each mesh rank holds.
+class Piece:
+    """A rank's rectangle of a matrix: rows [row, row + rows) x columns [col, col + cols), whose
+    first row is row ``local_row`` of the rank's local shard viewed as (-1, cols)."""
 
-    ``row_counts[r]`` rows starting at ``sum(row_counts[:r])`` live on rank r (dim-0 sharding),
-    from row ``local_starts[r]`` of that rank's local shard (all 0, the default, when the matrix
-    is a whole parameter; a row block of a fused or stacked parameter starts further in).
+    row: int = 0
+    rows: int = 0
+    col: int = 0
+    cols: int = 0
+    local_row: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+EMPTY = Piece()
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """One Muon matrix: its global (rows, cols) and the piece of it each exchange rank holds.
+
+    ``replicas[r]`` tells copies apart: ranks with the same replica index hold disjoint pieces
+    that tile the matrix once (None: a single copy, all ranks index 0). HSDP replica groups, a
+    tensor-parallel dimension a weight is replicated on, and DDP ranks (each its own replica)
+    are all described this way.
     """
 
     name: str
     rows: int
     cols: int
-    row_counts: tuple[int, ...]
+    pieces: tuple[Piece, ...]
     ns_steps: int
-    local_starts: tuple[int, ...] | None = None
+    replicas: tuple[int, ...] | None = None
+
+    @classmethod
+    def row_sharded(cls, name: str, rows: int, cols: int, row_counts: Sequence[int], ns_steps: int) -> MatrixLayout:
+        """A matrix cut into consecutive row blocks, ``row_counts[r]`` rows on rank r (FSDP2)."""
+        pieces, start = [], 0
+        for count in row_counts:
+            pieces.append(Piece(start, count, 0, cols) if count and cols else EMPTY)
+            start += count
+        return cls(name, rows, cols, tuple(pieces), ns_steps)
 
     @property
     def numel(self) -> int:
@@ -42,20 +68,18 @@ class MatrixLayout:
     def cost(self) -> int:
         return newton_schulz_flops(self.rows, self.cols, self.ns_steps)
 
-    @cached_property
-    def row_offsets(self) -> tuple[int, ...]:
-        offsets = [0]
-        for count in self.row_counts[:-1]:
-            offsets.append(offsets[-1] + count)
-        return tuple(offsets)
+    def replica(self, rank: int) -> int:
+        return self.replicas[rank] if self.replicas else 0
 
-    def local_start(self, rank: int) -> int:
-        return self.local_starts[rank] if self.local_starts else 0
+    def senders(self, owner: int) -> list[int]:
+        """Ranks that send their pieces to ``owner``: one copy of each, from owner's replica."""
+        mine = self.replica(owner)
+        return [r for r, piece in enumerate(self.pieces) if piece.numel and self.replica(r) == mine]
 
     @property
     def sole_holder(self) -> int | None:
-        """The one rank holding every row, if there is one (it owns the matrix: no exchange)."""
-        holders = [r for r, count in enumerate(self.row_counts) if count]
+        """The one rank holding every element, if no other rank holds any (it owns the matrix)."""
+        holders = [r for r, piece in enumerate(self.pieces) if piece.numel]
         return holders[0] if len(holders) == 1 else None
 
 
@@ -69,103 +93,6 @@ def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
     return tuple(max(0, min(size, rows - r * size)) for r in range(world_size))
 
 
-def _shard_rows(param: torch.Tensor, name: str) -> tuple[int, ...]:
-    """How many dim-0 slices of ``param`` each mesh rank holds (one entry for a plain tensor)."""
-    if not isinstance(param, DTensor):
-        return (param.shape[0],)
-    mesh, placements = param.device_mesh, tuple(param.placements)
-    if mesh.ndim != 1 or placements != (Shard(0),) or type(placements[0]) is not Shard:
-        raise NotImplementedError(
-            f"parameter {name!r} is a DTensor with placements {placements} on a {mesh.ndim}-D mesh "
-            f"{tuple(mesh.shape)}; DMuonFSDP supports only plain FSDP2 sharding (Shard(0) on a 1-D "
-            "mesh) so far: HSDP, tensor parallel and replicated layouts are not implemented yet"
-        )
-    counts = chunk_row_counts(param.shape[0], mesh.size())
-    local_rows = param.to_local().shape[0]
-    if local_rows != counts[mesh.get_local_rank()]:
-        raise NotImplementedError(
-            f"parameter {name!r}: local shard has {local_rows} rows on mesh rank "
-            f"{mesh.get_local_rank()}, expected {counts[mesh.get_local_rank()]} from torch.chunk "
-            f"sharding of {param.shape[0]} rows over {mesh.size()} ranks"
-        )
-    return counts
-
-
-def row_blocks(
-    name: str, shape: tuple[int, ...], flatten: bool, split_sizes: list[int] | None, num_heads: int | None
-) -> tuple[int, list[tuple[int, int]]]:
-    """(cols, [(first row, rows) of each matrix]) of a parameter seen as a 2-D row-major view.
-
-    ``flatten`` views (dim0, -1); otherwise a >2-D weight is a stack of dim0 matrices of shape
-    (dim1, -1) (expert stacks). Each matrix is then cut into row blocks by ``split_sizes`` (fused
-    weights such as QKV) or into ``num_heads`` equal blocks.
-    """
-    stacked = not flatten and len(shape) > 2
-    per_matrix = shape[1] if stacked else shape[0]
-    cols = math.prod(shape[2:] if stacked else shape[1:])
-    sizes = [per_matrix]
-    if split_sizes is not None:
-        if sum(split_sizes) != per_matrix:
-            raise ValueError(f"parameter {name!r}: split_sizes {split_sizes} do not add up to {per_matrix} rows")
-        sizes = list(split_sizes)
-    elif num_heads is not None:
-        if per_matrix % num_heads:
-            raise ValueError(f"parameter {name!r}: {per_matrix} rows do not split into {num_heads} heads")
-        sizes = [per_matrix // num_heads] * num_heads
-    blocks, start = [], 0
-    for _ in range(shape[0] if stacked else 1):
-        for size in sizes:
-            blocks.append((start, size))
-            start += size
-    return cols, blocks
-
-
-def describe_param(
-    param: torch.Tensor,
-    name: str,
-    ns_steps: int,
-    flatten: bool = True,
-    split_sizes: list[int] | None = None,
-    num_heads: int | None = None,
-) -> list[MatrixLayout]:
-    """The Muon matrices of a parameter: a plain tensor (one process) or a 1-D-mesh Shard(0)
-    DTensor, cut into row blocks as ``row_blocks`` describes.
-
-    Raises NotImplementedError for layouts this release does not exchange (HSDP, TP, replicated).
-    """
-    if param.ndim < 2:
-        raise ValueError(f"parameter {name!r} has shape {tuple(param.shape)}: Muon needs >= 2 dims")
-    shape = tuple(param.shape)
-    cols, blocks = row_blocks(name, shape, flatten, split_sizes, num_heads)
-    rows_per_slice = sum(size for _, size in blocks) // shape[0] if shape[0] else 0
-    rank_rows, held = [], 0
-    for count in _shard_rows(param, name):
-        rank_rows.append((held, count * rows_per_slice))
-        held += count * rows_per_slice
-    layouts = []
-    for first, size in blocks:
-        counts, local = [], []
-        for start, count in rank_rows:
-            lo, hi = max(first, start), min(first + size, start + count)
-            counts.append(max(0, hi - lo))
-            local.append(lo - start if hi > lo else 0)
-        label = name if len(blocks) == 1 else f"{name}[rows {first}:{first + size}]"
-        layouts.append(MatrixLayout(label, size, cols, tuple(counts), ns_steps, tuple(local) if any(local) else None))
-    return layouts
-
-
-def describe_params(params: Sequence[tuple[torch.Tensor, str, dict]]) -> tuple[list[MatrixLayout], list[int]]:
-    """The matrices of (parameter, name, group options) items, and the item each belongs to."""
-    layouts, sources = [], []
-    for index, (param, name, group) in enumerate(params):
-        for layout in describe_param(
-            param, name, group["ns_steps"], group["flatten"], group["split_sizes"], group["num_heads"]
-        ):
-            layouts.append(layout)
-            sources.append(index)
-    return layouts, sources
-
-
 @dataclass(frozen=True)
 class Bucket:
     """Matrices (indices into ``Plan.matrices``) exchanged by one pair of all-to-alls."""
@@ -175,34 +102,51 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Plan:
-    """Owners and buckets for a list of matrices over ``world_size`` ranks; ``sources[j]`` is the
-    index of the parameter matrix j belongs to (a parameter may hold several row blocks)."""
+    """Owners and buckets for a list of matrices over ``world_size`` ranks; ``param_of[j]`` is the
+    index of the parameter matrix j belongs to (a parameter may hold several matrices).
+
+    Forward exchange (gather): each sender of matrix j sends its piece to j's owner. Reverse
+    exchange (scatter): the owner sends every rank that holds a piece of j that piece of the
+    result, replicas included. In both, a buffer holds per peer rank, in rank order, the pieces of
+    the bucket's matrices in bucket order.
+    """
 
     matrices: tuple[MatrixLayout, ...]
     owners: tuple[int, ...]
     buckets: tuple[Bucket, ...]
     world_size: int
-    sources: tuple[int, ...]
+    param_of: tuple[int, ...]
+
+    @cached_property
+    def senders(self) -> tuple[frozenset[int], ...]:
+        """Ranks sending their piece of each matrix to its owner."""
+        return tuple(frozenset(m.senders(o)) for m, o in zip(self.matrices, self.owners))
 
     def owned_by(self, bucket: Bucket, rank: int) -> list[int]:
         return [j for j in bucket.matrices if self.owners[j] == rank]
 
-    def send_counts(self, bucket: Bucket, rank: int) -> list[int]:
-        """Elements ``rank`` sends to each owner in the forward (shards -> owner) exchange."""
-        counts = [0] * self.world_size
+    def gather_counts(self, bucket: Bucket, rank: int) -> tuple[list[int], list[int]]:
+        """(elements ``rank`` sends to, receives from) each rank in the forward exchange."""
+        send, receive = [0] * self.world_size, [0] * self.world_size
         for j in bucket.matrices:
             m = self.matrices[j]
-            counts[self.owners[j]] += m.row_counts[rank] * m.cols
-        return counts
+            if rank in self.senders[j]:
+                send[self.owners[j]] += m.pieces[rank].numel
+            if self.owners[j] == rank:
+                for src in self.senders[j]:
+                    receive[src] += m.pieces[src].numel
+        return send, receive
 
-    def receive_counts(self, bucket: Bucket, rank: int) -> list[int]:
-        """Elements ``rank`` receives from each rank in the forward exchange (as owner)."""
-        counts = [0] * self.world_size
-        for j in self.owned_by(bucket, rank):
+    def scatter_counts(self, bucket: Bucket, rank: int) -> tuple[list[int], list[int]]:
+        """(elements ``rank`` sends to, receives from) each rank in the reverse exchange."""
+        send, receive = [0] * self.world_size, [0] * self.world_size
+        for j in bucket.matrices:
             m = self.matrices[j]
-            for src, rows in enumerate(m.row_counts):
-                counts[src] += rows * m.cols
-        return counts
+            receive[self.owners[j]] += m.pieces[rank].numel
+            if self.owners[j] == rank:
+                for dst, piece in enumerate(m.pieces):
+                    send[dst] += piece.numel
+        return send, receive
 
     def loads(self) -> list[int]:
         """NS flops assigned to each rank."""
@@ -214,14 +158,14 @@ class Plan:
     def elements_moved(self, rank: int) -> int:
         """Elements ``rank`` sends to other ranks in one step, both exchanges together.
 
-        The reverse exchange mirrors the forward one, so what a rank sends back equals what it
-        received: this is also the least any owner-based schedule can move for this plan.
+        Each piece crosses the wire at most once each way: one copy of every matrix reaches its
+        owner, and each rank receives exactly the pieces it holds; no schedule that runs each
+        matrix's NS on one rank moves less.
         """
         total = 0
         for bucket in self.buckets:
-            sent = self.send_counts(bucket, rank)
-            received = self.receive_counts(bucket, rank)
-            total += sum(sent) - sent[rank] + sum(received) - received[rank]
+            for send, _ in (self.gather_counts(bucket, rank), self.scatter_counts(bucket, rank)):
+                total += sum(send) - send[rank]
         return total
 
 
@@ -299,23 +243,28 @@ def build_plan(
     world_size: int,
     bucket_bytes: int,
     element_size: int,
-    sources: Sequence[int] | None = None,
+    param_of: Sequence[int] | None = None,
 ) -> Plan:
     """Assign owners by NS cost over all matrices and cut them into buckets of bounded bytes.
 
-    A matrix held entirely by one rank (a 1-row matrix, an expert of an expert-sharded stack) is
-    owned by that rank and never moves. Buckets follow the assignment order (largest first), so
-    consecutive matrices go to different owners and every bucket spreads NS work over the ranks; while one bucket's NS runs, the next
-    bucket's exchange is in flight. A matrix larger than ``bucket_bytes`` gets a bucket of its own.
+    A matrix that only one rank holds any of (a 1-row matrix, an expert of an expert-sharded
+    stack) is owned by that rank and never moves. Buckets follow the assignment order (largest first), so
+    consecutive matrices go to different owners and every bucket spreads NS work over the ranks;
+    while one bucket's NS runs, the next bucket's exchange is in flight. A matrix larger than
+    ``bucket_bytes`` gets a bucket of its own.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     for m in matrices:
-        if len(m.row_counts) != world_size or sum(m.row_counts) != m.rows:
-            raise ValueError(
-                f"matrix {m.name!r}: row counts {m.row_counts} do not split {m.rows} rows over "
-                f"{world_size} ranks"
-            )
+        if len(m.pieces) != world_size:
+            raise ValueError(f"matrix {m.name!r} has pieces for {len(m.pieces)} ranks, not {world_size}")
+        for replica in set(m.replicas or (0,)):
+            held = sum(p.numel for r, p in enumerate(m.pieces) if m.replica(r) == replica)
+            if held != m.numel:
+                raise ValueError(
+                    f"matrix {m.name!r} ({m.rows}x{m.cols}): the pieces of replica {replica} hold "
+                    f"{held} elements, not {m.numel}"
+                )
     pinned = [m.sole_holder if world_size > 1 else None for m in matrices]
     owners, order = assign_owners([m.cost for m in matrices], world_size, pinned)
     buckets: list[Bucket] = []
@@ -330,5 +279,5 @@ def build_plan(
         current_bytes += size
     if current:
         buckets.append(Bucket(tuple(current)))
-    sources = tuple(sources) if sources is not None else tuple(range(len(matrices)))
-    return Plan(tuple(matrices), tuple(owners), tuple(buckets), world_size, sources)
+    param_of = tuple(param_of) if param_of is not None else tuple(range(len(matrices)))
+    return Plan(tuple(matrices), tuple(owners), tuple(buckets), world_size, param_of)

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from dmuon_fsdp import comm
 from dmuon_fsdp.newton_schulz import resolve_coefficients
-from dmuon_fsdp.planner import describe_params
+from dmuon_fsdp.layouts import describe_params, root_mesh
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -64,7 +64,8 @@ def check_new_groups(
     """Validate hyper-parameters and layouts of groups about to be added to the optimizer.
 
     ``mesh_owner`` is (mesh, name of the first parameter on it) for the Muon parameters seen so
-    far, or None; returns it updated. All Muon parameters must share one mesh.
+    far, or None; returns it updated. All Muon parameters must share one root mesh (plain tensors:
+    none), the ranks their matrices are exchanged over.
     """
     for new in new_groups:
         merged = {**defaults, **new}
@@ -84,13 +85,8 @@ def check_new_groups(
                     raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
             if not new["use_muon"]:
                 continue
-            describe_params([(p, name, merged)])  # raises for layouts not handled yet
-            if not isinstance(p, DTensor) and comm.default_world_size() > 1:
-                raise NotImplementedError(
-                    f"{name} is a plain tensor in a job of {comm.default_world_size()} ranks: "
-                    "replicated (DDP) parameters are not supported yet; shard the model with fully_shard"
-                )
-            mesh = p.device_mesh if isinstance(p, DTensor) else None
+            describe_params([(p, name, merged)], comm.default_world_size())  # raises for unsupported layouts
+            mesh = root_mesh(p)
             if mesh_owner is None:
                 mesh_owner = (mesh, name)
             elif mesh_owner[0] != mesh:

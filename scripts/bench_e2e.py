@@ -46,7 +46,7 @@ def dmuon_ns_floor_ms(cfg, world: int) -> tuple[float, float]:
     """(busiest rank's NS GFLOP, its bmm floor in ms) for the model's Muon matrices."""
     torch.set_num_threads(1)
     shapes = [tuple(p.shape) for _, p in param_groups(Transformer(cfg))[0]["params"]]
-    layouts = [MatrixLayout(str(i), r, c, chunk_row_counts(r, world), 5) for i, (r, c) in enumerate(shapes)]
+    layouts = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world), 5) for i, (r, c) in enumerate(shapes)]
     plan = build_plan(layouts, world, 128 * 2**20, 4)
     loads = plan.loads()
     busiest = max(range(world), key=loads.__getitem__)

@@ -29,7 +29,7 @@ def main() -> None:
     for model, shapes in LLAMA_SHAPES.items():
         for world in args.world_sizes:
             matrices = [
-                MatrixLayout(f"m{i}", r, c, chunk_row_counts(r, world), args.ns_steps)
+                MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world), args.ns_steps)
                 for i, (r, c) in enumerate(shapes)
             ]
             loads = build_plan(matrices, world, 2**62, 2).loads()

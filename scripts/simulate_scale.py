@@ -48,7 +48,7 @@ WIRE_BYTES = 2  # bf16
 
 
 def simulate(shapes: list[tuple[int, int]], world: int, args: argparse.Namespace) -> dict:
-    layouts = [MatrixLayout(str(i), r, c, chunk_row_counts(r, world), args.ns_steps) for i, (r, c) in enumerate(shapes)]
+    layouts = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world), args.ns_steps) for i, (r, c) in enumerate(shapes)]
     plan = build_plan(layouts, world, args.bucket_mib * 2**20, WIRE_BYTES)
     loads = plan.loads()
     costs = [m.cost for m in layouts]

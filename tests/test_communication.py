@@ -70,10 +70,10 @@ def counted_step(rank, world_size, overlap, comm_dtype, checks=True):
     entries = [(g, p, None) for g in opt.param_groups if g["use_muon"] for p in g["params"]]
     plan = opt.plan_for(entries)
     expected_splits = []
-    for bucket in plan.buckets:
-        expected_splits.append((plan.receive_counts(bucket, rank), plan.send_counts(bucket, rank)))
-    for bucket in plan.buckets:
-        expected_splits.append((plan.send_counts(bucket, rank), plan.receive_counts(bucket, rank)))
+    for counts in (plan.gather_counts, plan.scatter_counts):
+        for bucket in plan.buckets:
+            send, receive = counts(bucket, rank)
+            expected_splits.append((receive, send))
     sent_elsewhere = sum(sum(inp) - inp[rank] for _, inp, _ in a2a)
     size = torch.empty((), dtype=comm_dtype).element_size()
     return {

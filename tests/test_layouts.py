@@ -1,20 +1,21 @@
-"""Layouts this release does not exchange fail at construction, naming parameter and placements."""
+"""Layouts that cannot be exchanged fail at construction on every rank, naming parameter and
+placements; their nearest supported relatives construct."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon_fsdp import DMuonFSDP
 from spawn import run_ranks
 
 
-def _error(make_params):
+def _error(params, **options):
     try:
-        DMuonFSDP(make_params())
+        DMuonFSDP([{"params": params, **options}])
     except NotImplementedError as e:
         return str(e)
     return None
@@ -22,27 +23,27 @@ def _error(make_params):
 
 def unsupported_layouts(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
-    hsdp_mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
 
-    def hsdp():
-        model = nn.Linear(8, 6)
-        fully_shard(model, mesh=hsdp_mesh)
-        return model.named_parameters()
+    def local(placement, shape=(6, 8)):
+        local_shape = (shape[0] // world_size, *shape[1:])
+        t = DTensor.from_local(torch.zeros(local_shape), mesh, [placement], shape=shape, stride=(shape[1], 1))
+        return [("w", nn.Parameter(t))]
 
-    def dtensor(placement):
-        return lambda: [("w", nn.Parameter(distribute_tensor(torch.zeros(6, 8), mesh, [placement])))]
-
+    conv = [("conv", nn.Parameter(distribute_tensor(torch.zeros(4, 6, 8), mesh, [Shard(2)])))]
     return {
-        "hsdp": _error(hsdp),
-        "replicate": _error(dtensor(Replicate())),
-        "shard1": _error(dtensor(Shard(1))),
-        "plain": _error(lambda: [("plain.weight", nn.Parameter(torch.zeros(4, 4)))]),
+        "partial": _error([("w", nn.Parameter(DTensor.from_local(torch.zeros(6, 8), mesh, [Partial()])))]),
+        "strided": _error(local(_StridedShard(0, split_factor=2))),
+        "conv_flattened": _error(conv),
+        "conv_stacked": _error(conv, flatten=False),
+        "row_shard": _error(local(Shard(0))),
     }
 
 
 def test_unsupported_layouts_raise_on_every_rank():
     for errors in run_ranks(unsupported_layouts, 2):
-        assert "'weight'" in errors["hsdp"] and "Replicate()" in errors["hsdp"] and "Shard(dim=0)" in errors["hsdp"]
-        assert "'w'" in errors["replicate"] and "Replicate()" in errors["replicate"]
-        assert "'w'" in errors["shard1"] and "Shard(dim=1)" in errors["shard1"]
-        assert "plain.weight" in errors["plain"] and "2 ranks" in errors["plain"]
+        assert "w" in errors["partial"] and "Partial(sum)" in errors["partial"]
+        assert "'w'" in errors["strided"] and "_StridedShard" in errors["strided"]
+        assert "'conv'" in errors["conv_flattened"] and "cannot be reassembled" in errors["conv_flattened"]
+        assert "Shard(dim=2)" in errors["conv_flattened"]
+        # As a stack of 4 matrices (6, 8), dim 2 is each matrix's columns: a rectangle per rank.
+        assert errors["conv_stacked"] is None and errors["row_shard"] is None

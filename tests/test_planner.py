@@ -12,6 +12,7 @@ import torch
 
 from dmuon_fsdp.planner import (
     MatrixLayout,
+    Piece,
     assign_owners,
     assignment_lower_bound,
     build_plan,
@@ -23,7 +24,7 @@ from model_shapes import LLAMA_SHAPES
 
 def layouts(shapes, world_size, ns_steps=5):
     return [
-        MatrixLayout(f"m{i}", r, c, chunk_row_counts(r, world_size), ns_steps)
+        MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world_size), ns_steps)
         for i, (r, c) in enumerate(shapes)
     ]
 
@@ -53,13 +54,14 @@ def test_every_matrix_has_one_owner_and_splits_match(world_size):
     for bucket in plan.buckets:
         size = sum(plan.matrices[j].numel * 4 for j in bucket.matrices)
         assert size <= 300_000 or len(bucket.matrices) == 1
-        # What rank r sends to owner o is what o expects from r.
-        for r in range(world_size):
-            for o in range(world_size):
-                assert plan.send_counts(bucket, r)[o] == plan.receive_counts(bucket, o)[r]
+        # What rank r sends to rank o is what o expects from r, in both exchanges.
+        for counts in (plan.gather_counts, plan.scatter_counts):
+            for r in range(world_size):
+                for o in range(world_size):
+                    assert counts(bucket, r)[0][o] == counts(bucket, o)[1][r]
     total = sum(m.numel for m in plan.matrices)
     moved = sum(plan.elements_moved(r) for r in range(world_size))
-    kept = sum(m.row_counts[plan.owners[j]] * m.cols for j, m in enumerate(plan.matrices))
+    kept = sum(m.pieces[plan.owners[j]].numel for j, m in enumerate(plan.matrices))
     assert moved == 2 * (total - kept)
 
 
@@ -104,10 +106,47 @@ def test_lower_bound_terms():
     assert assignment_lower_bound([3, 3, 3, 3], 2) == 6  # the mean
 
 
-def test_rejects_row_counts_that_do_not_split_the_matrix():
-    bad = MatrixLayout("w", 5, 3, (2, 2), 5)
-    with pytest.raises(ValueError, match="'w'"):
-        build_plan([bad], 2, 2**20, 4)
+def test_rejects_pieces_that_do_not_tile_the_matrix():
+    with pytest.raises(ValueError, match="'w'.*2 ranks"):
+        build_plan([MatrixLayout.row_sharded("w", 5, 3, (2, 3), 5)], 3, 2**20, 4)
+    with pytest.raises(ValueError, match="'w'.*replica 0 hold 12 elements, not 15"):
+        build_plan([MatrixLayout.row_sharded("w", 5, 3, (2, 2), 5)], 2, 2**20, 4)
+
+
+def _hsdp_layout(rows, cols, replicas, shards):
+    """(Replicate, Shard(0)) over a (replicas, shards) mesh, ranks in row-major order."""
+    row_split = MatrixLayout.row_sharded("w", rows, cols, chunk_row_counts(rows, shards), 5).pieces
+    return MatrixLayout("w", rows, cols, row_split * replicas, 5, tuple(r for r in range(replicas) for _ in range(shards)))
+
+
+@pytest.mark.parametrize("replicas,shards", [(2, 2), (3, 2), (2, 3)])
+def test_replicated_matrices_gather_one_copy_and_scatter_to_all(replicas, shards):
+    world = replicas * shards
+    matrices = [_hsdp_layout(7 + i, 5, replicas, shards) for i in range(2 * world)]
+    plan = build_plan(matrices, world, 2**20, 4)
+    assert sorted(set(plan.owners)) == list(range(world)), "owners spread over every replica"
+    for j, (m, owner) in enumerate(zip(plan.matrices, plan.owners)):
+        senders = plan.senders[j]
+        assert {m.replica(r) for r in senders} == {m.replica(owner)}
+        assert sum(m.pieces[r].numel for r in senders) == m.numel
+    bucket = plan.buckets[0]
+    for r in range(world):
+        # Forward: one copy of each matrix; reverse: each rank receives its pieces of all of them.
+        assert sum(plan.scatter_counts(bucket, r)[1]) == sum(m.pieces[r].numel for m in matrices)
+    assert sum(sum(plan.gather_counts(bucket, r)[0]) for r in range(world)) == sum(m.numel for m in matrices)
+
+
+def test_ddp_layout_sends_only_results():
+    world, rows, cols = 3, 6, 4
+    full = Piece(0, rows, 0, cols)
+    matrices = [MatrixLayout(f"m{i}", rows, cols, (full,) * world, 5, tuple(range(world))) for i in range(3)]
+    plan = build_plan(matrices, world, 2**20, 4)
+    assert sorted(plan.owners) == [0, 1, 2]
+    for r in range(world):
+        gather_send, _ = plan.gather_counts(plan.buckets[0], r)
+        assert sum(gather_send) - gather_send[r] == 0, "the owner already holds the whole matrix"
+        # It sends the result to the two others: 2 * rows * cols elements.
+        assert plan.elements_moved(r) == 2 * rows * cols
 
 
 def _optimal_makespan(costs, world_size):

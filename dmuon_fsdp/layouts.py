@@ -1,0 +1,208 @@
+"""Where each Muon matrix lives: the piece of it every rank holds, read from DTensor placements.
+
+Pure: no collectives. A parameter's ranks are the ranks of its device mesh's root mesh (so a
+weight on a sub-mesh, e.g. the dp mesh of a dp x tp job, is seen as replicated on the other
+dims), numbered by row-major mesh coordinate; a plain tensor in a job of W ranks is replicated
+on all of them (DDP). Each rank's block of the global tensor comes from DTensor's own
+local-shape-and-offset rule, which handles Shard, Replicate and the _StridedShard that FSDP2 puts
+over tensor parallelism. A parameter viewed as matrices (``row_blocks``) then gives each matrix
+one ``Piece`` per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+from itertools import product
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from dmuon_fsdp.planner import EMPTY, MatrixLayout, Piece
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, local shape) of one rank's block
+
+
+def root_mesh(param: torch.Tensor) -> DeviceMesh | None:
+    """The mesh whose ranks exchange ``param``'s matrices (None for a plain tensor)."""
+    return param.device_mesh._get_root_mesh() if isinstance(param, DTensor) else None
+
+
+def root_placements(param: DTensor, name: str) -> tuple[Placement, ...]:
+    """``param``'s placements on its root mesh: Replicate on root dims its own mesh lacks."""
+    mesh, root = param.device_mesh, param.device_mesh._get_root_mesh()
+    if mesh is root or mesh == root:
+        return tuple(param.placements)
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or any(n not in root_names for n in names):
+        raise NotImplementedError(
+            f"parameter {name!r} lives on a sub-mesh {mesh} (dims {names}) that is not a set of "
+            f"named dims of its root mesh {root} (dims {root_names})"
+        )
+    placements: list[Placement] = [Replicate()] * root.ndim
+    for dim_name, placement in zip(names, param.placements):
+        placements[root_names.index(dim_name)] = placement
+    return tuple(placements)
+
+
+def _check_placements(placements: Sequence[Placement], mesh_shape: Sequence[int], name: str) -> None:
+    """Shard, Replicate, and _StridedShard only as FSDP2 puts it over a later Shard of that dim."""
+    for i, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard):
+            later = [mesh_shape[k] for k in range(i + 1, len(placements))
+                     if type(placements[k]) is Shard and placements[k].dim == placement.dim]  # fmt: skip
+            if math.prod(later) != placement.split_factor:
+                raise NotImplementedError(
+                    f"parameter {name!r}: placements {tuple(placements)} hold strided (non-contiguous) "
+                    "blocks; only FSDP2's _StridedShard over tensor parallelism is supported"
+                )
+        elif type(placement) not in (Shard, Replicate):
+            raise NotImplementedError(f"parameter {name!r} has unsupported placements {tuple(placements)}")
+
+
+@lru_cache(maxsize=1024)
+def rank_boxes(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]
+) -> tuple[Box, ...]:
+    """Every rank's block of a tensor, in row-major mesh coordinate order."""
+    boxes = []
+    for coordinate in product(*(range(n) for n in mesh_shape)):
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        boxes.append((tuple(offset), tuple(local)))
+    return tuple(boxes)
+
+
+def replica_indices(mesh_shape: Sequence[int], placements: Sequence[Placement]) -> tuple[int, ...] | None:
+    """Each rank's row-major index over the mesh dims the tensor is replicated on."""
+    replicated = [k for k, p in enumerate(placements) if isinstance(p, Replicate)]
+    if not replicated:
+        return None
+    indices = []
+    for coordinate in product(*(range(n) for n in mesh_shape)):
+        index = 0
+        for k in replicated:
+            index = index * mesh_shape[k] + coordinate[k]
+        indices.append(index)
+    return tuple(indices)
+
+
+def param_boxes(
+    param: torch.Tensor, name: str, world_size: int
+) -> tuple[tuple[Box, ...], tuple[int, ...] | None, int]:
+    """(every rank's box, replica indices, this rank's index) for a DTensor or a plain tensor
+    replicated over ``world_size`` ranks (this rank's index is then unknown here: -1)."""
+    shape = tuple(param.shape)
+    if not isinstance(param, DTensor):
+        full = ((0,) * len(shape), shape)
+        return (full,) * world_size, (tuple(range(world_size)) if world_size > 1 else None), -1
+    root = param.device_mesh._get_root_mesh()
+    placements = root_placements(param, name)
+    mesh_shape = tuple(root.shape)
+    _check_placements(placements, mesh_shape, name)
+    boxes = rank_boxes(shape, mesh_shape, placements)
+    coordinate = root.get_coordinate()
+    me = 0
+    for k, n in zip(coordinate, mesh_shape):
+        me = me * n + k
+    if boxes[me][1] != tuple(param.to_local().shape):
+        raise NotImplementedError(
+            f"parameter {name!r}: local shard has shape {tuple(param.to_local().shape)}, but placements "
+            f"{placements} on mesh {mesh_shape} give {boxes[me][1]} at coordinate {tuple(coordinate)}"
+        )
+    return boxes, replica_indices(mesh_shape, placements), me
+
+
+def row_blocks(name: str, rows: int, split_sizes: list[int] | None, num_heads: int | None) -> list[tuple[int, int]]:
+    """(first row, rows) of each block a matrix of ``rows`` rows is cut into: ``split_sizes``
+    (fused weights such as QKV), ``num_heads`` equal blocks, or the whole matrix."""
+    sizes = [rows]
+    if split_sizes is not None:
+        if sum(split_sizes) != rows:
+            raise ValueError(f"parameter {name!r}: split_sizes {split_sizes} do not add up to {rows} rows")
+        sizes = list(split_sizes)
+    elif num_heads is not None:
+        if rows % num_heads:
+            raise ValueError(f"parameter {name!r}: {rows} rows do not split into {num_heads} heads")
+        sizes = [rows // num_heads] * num_heads
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return list(zip(starts, sizes))
+
+
+def _columns(shape: tuple[int, ...], box: Box, first: int, name: str, placements: str) -> tuple[int, int]:
+    """Columns [start, stop) of a box in the row-major flattening of dims ``first``..: contiguous
+    only when at most one of those dims is cut and every dim before it has size 1."""
+    offset, size = box
+    cut = [d for d in range(first, len(shape)) if size[d] != shape[d]]
+    if not cut:
+        return 0, math.prod(shape[first:])
+    d = cut[0]
+    if len(cut) > 1 or any(shape[k] != 1 for k in range(first, d)):
+        raise NotImplementedError(
+            f"parameter {name!r} of shape {shape}: placements {placements} cut dims {cut} of its "
+            f"matrix columns (dims {first}..{len(shape) - 1}); such shards cannot be reassembled "
+            "into a matrix block"
+        )
+    inner = math.prod(shape[d + 1 :])
+    return offset[d] * inner, (offset[d] + size[d]) * inner
+
+
+def describe_param(
+    param: torch.Tensor,
+    name: str,
+    ns_steps: int,
+    flatten: bool = True,
+    split_sizes: list[int] | None = None,
+    num_heads: int | None = None,
+    world_size: int = 1,
+) -> list[MatrixLayout]:
+    """The Muon matrices of a parameter and every rank's piece of each.
+
+    ``flatten`` views the weight as one (dim0, -1) matrix; otherwise a >2-D weight is a stack of
+    dim0 matrices (dim1, -1) (expert stacks). Each matrix is then cut by ``row_blocks``.
+    Raises NotImplementedError for placements whose blocks are not matrix rectangles.
+    """
+    if param.ndim < 2:
+        raise ValueError(f"parameter {name!r} has shape {tuple(param.shape)}: Muon needs >= 2 dims")
+    shape = tuple(param.shape)
+    boxes, replicas, _ = param_boxes(param, name, world_size)
+    placements = str(getattr(param, "placements", "(plain tensor)"))
+    stacked = not flatten and len(shape) > 2
+    row_dim = 1 if stacked else 0
+    columns = [_columns(shape, box, row_dim + 1, name, placements) if all(box[1]) else (0, 0) for box in boxes]
+    cols = math.prod(shape[row_dim + 1 :])
+    blocks = row_blocks(name, shape[row_dim], split_sizes, num_heads)
+    layouts = []
+    for expert in range(shape[0] if stacked else 1):
+        for first, size in blocks:
+            pieces = []
+            for (offset, local), (c0, c1) in zip(boxes, columns):
+                lo, hi = max(first, offset[row_dim]), min(first + size, offset[row_dim] + local[row_dim])
+                in_stack = not stacked or offset[0] <= expert < offset[0] + local[0]
+                if hi <= lo or c1 <= c0 or not in_stack:
+                    pieces.append(EMPTY)
+                    continue
+                local_row = lo - offset[row_dim] + ((expert - offset[0]) * local[1] if stacked else 0)
+                pieces.append(Piece(lo - first, hi - lo, c0, c1 - c0, local_row))
+            label = name + (f"[{expert}]" if stacked else "")
+            label += f"[rows {first}:{first + size}]" if len(blocks) > 1 else ""
+            layouts.append(MatrixLayout(label, size, cols, tuple(pieces), ns_steps, replicas))
+    return layouts
+
+
+def describe_params(
+    params: Sequence[tuple[torch.Tensor, str, dict]], world_size: int = 1
+) -> tuple[list[MatrixLayout], list[int]]:
+    """The matrices of (parameter, name, group options) items, and the item each belongs to.
+
+    ``world_size`` is the number of ranks plain tensors are replicated on (DDP)."""
+    layouts, param_of = [], []
+    for index, (param, name, group) in enumerate(params):
+        for layout in describe_param(param, name, group["ns_steps"], group["flatten"], group["split_sizes"],
+                                     group["num_heads"], world_size):  # fmt: skip
+            layouts.append(layout)
+            param_of.append(index)
+    return layouts, param_of

@@ -1,0 +1,204 @@
+"""HSDP, DDP / replicated, FSDP + TP and expert-sharded layouts: each equals the float64 reference
+Muon on full matrices, every matrix is orthogonalized exactly once in the whole job, and a step
+moves exactly the bytes its plan predicts with no gathers."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+from dmuon_fsdp import DMuonFSDP
+from reference import reference_muon_step, relative_error
+from spawn import run_ranks
+
+ns_module = importlib.import_module("dmuon_fsdp.newton_schulz")
+OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
+REFERENCE = dict(lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.1, coefficients=(3.4445, -4.7750, 2.0315),
+                 steps=5, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
+STEPS = 3
+TOLERANCE = 1e-5
+GATHERS = ("all_gather", "all_gather_into_tensor", "broadcast", "gather", "scatter", "reduce_scatter_tensor")
+# (5, 16) leaves an empty shard at 4 ranks; (13, 9) and (9, 13) split unevenly on both mesh dims.
+SHAPES = {"w5": (5, 16), "w13": (13, 9), "w9": (9, 13), "conv": (6, 3, 3, 3), "tall": (40, 8)}
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class Weights(nn.Module):
+    """One parameter per shape; the loss sum(w * g) makes each gradient g (averaged over ranks)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.ws = nn.ParameterDict({n: nn.Parameter(torch.randn(s, generator=gen) * 0.1) for n, s in shapes.items()})
+
+    def forward(self, step):
+        gen = torch.Generator().manual_seed(100 + step)
+        # A replicated DTensor's local tensor is the whole weight; FSDP2 unshards to plain tensors.
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in self.ws.values()]
+        return sum((w * torch.randn(w.shape, generator=gen)).sum() for w in local)
+
+
+def train(model, groups, loss_fn, stacked=()):
+    """STEPS steps of DMuonFSDP and of the reference on the same full gradients; counts what each
+    step did. Full tensors are read outside ``step`` only, for the comparison."""
+    params = dict(model.named_parameters())
+    ref = {n: _full(p).detach().double().clone() for n, p in params.items()}
+    bufs = {n: torch.zeros_like(p) for n, p in ref.items()}
+    opt = DMuonFSDP(groups, **OPTIONS)
+    counts = {"ns_matrices": 0, "a2a": 0, "gathers": 0, "sent": 0, "planned": 0}
+    for step in range(STEPS):
+        loss_fn(step).backward()
+        grads = {n: _full(p.grad).double() for n, p in params.items()}
+        originals = {}
+
+        def wrap(owner, name, record):
+            originals[(owner, name)] = original = getattr(owner, name)
+            setattr(owner, name, lambda *a, **k: (record(*a, **k), original(*a, **k))[1])
+
+        def bump(key, by=1):
+            counts[key] += by
+
+        wrap(ns_module, "newton_schulz", lambda m, *a, **k: bump("ns_matrices", m.shape[0] if m.ndim == 3 else 1))
+        wrap(dist, "all_to_all_single", lambda *a, **k: bump("a2a"))
+        for name in GATHERS:
+            wrap(dist, name, lambda *a, **k: bump("gathers"))
+        for name in ("full_tensor", "redistribute"):
+            wrap(DTensor, name, lambda *a, **k: bump("gathers"))
+        try:
+            opt.step()
+        finally:
+            for (owner, name), original in originals.items():
+                setattr(owner, name, original)
+        opt.zero_grad()
+        plan = opt._plan
+        counts["sent"] += opt.last_step_stats.bytes_sent
+        counts["planned"] += plan.elements_moved(opt._exchange[1] if opt._exchange else 0) * 4
+        for n in ref:
+            matrices = zip(ref[n], grads[n], bufs[n]) if n in stacked else [(ref[n], grads[n], bufs[n])]
+            for p, g, b in matrices:
+                reference_muon_step(p, g, b, **REFERENCE)
+    counts["matrices"] = len(plan.matrices)
+    counts["owned"] = sum(1 for o in plan.owners if o == (opt._exchange[1] if opt._exchange else 0))
+    errors = {n: relative_error(_full(p).detach(), ref[n]) for n, p in params.items()}
+    return errors, counts
+
+
+def _check(results, min_owners):
+    errors = {n: max(r[0][n] for r in results) for n in results[0][0]}
+    assert max(errors.values()) <= TOLERANCE, errors
+    counts = [r[1] for r in results]
+    # Each matrix orthogonalized exactly once in the whole job, spread over the ranks.
+    assert sum(c["ns_matrices"] for c in counts) == STEPS * counts[0]["matrices"]
+    assert sum(c["owned"] for c in counts) == counts[0]["matrices"]
+    assert sum(1 for c in counts if c["owned"]) >= min_owners
+    for c in counts:
+        assert c["gathers"] == 0 and c["sent"] == c["planned"]
+    return errors
+
+
+def hsdp(rank, world_size):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = Weights(SHAPES)
+    fully_shard(model, mesh=mesh)
+    assert model.ws["w13"].placements == (Replicate(), Shard(0))
+    return train(model, list(model.named_parameters()), model)
+
+
+def test_hsdp_orthogonalizes_each_matrix_once_in_the_job():
+    _check(run_ranks(hsdp, 4), min_owners=4)
+
+
+def ddp(rank, world_size, replicate_dtensor):
+    model = Weights(SHAPES)
+    if replicate_dtensor:
+        mesh = init_device_mesh("cpu", (world_size,))
+        for name, p in list(model.ws.items()):
+            model.ws[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]))
+        loss = model
+    else:
+        loss = DistributedDataParallel(model)
+    return train(model, list(model.named_parameters()), loss)
+
+
+@pytest.mark.parametrize("world_size,replicate_dtensor", [(2, False), (3, False), (2, True)])
+def test_replicated_parameters_split_ns_across_ranks(world_size, replicate_dtensor):
+    results = run_ranks(ddp, world_size, replicate_dtensor)
+    _check(results, min_owners=world_size)
+    # Every rank holds the whole gradient: only orthogonalized matrices travel, owner to others.
+    for rank, (_, counts) in enumerate(results):
+        assert counts["sent"] > 0
+
+
+class TensorParallelMLP(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(9, hidden, bias=False)  # column-wise: rows over tp, then over dp
+        self.down = nn.Linear(hidden, 9, bias=False)  # row-wise: columns over tp, rows over dp
+        self.head = nn.Linear(9, 5, bias=False)  # not tensor-parallel: on the dp sub-mesh only
+
+    def forward(self, x):
+        return self.head(torch.relu(self.down(torch.relu(self.up(x)))))
+
+
+def fsdp_tp(rank, world_size, hidden):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = TensorParallelMLP(hidden)
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    placements = {n: tuple(type(pl).__name__ for pl in p.placements) for n, p in model.named_parameters()}
+
+    def forward_loss(step):
+        x = torch.randn(4, 9, generator=torch.Generator().manual_seed(step))
+        return model(x).pow(2).sum()
+
+    def given_gradients(step):
+        # DTensor's forward cannot run uneven tensor parallelism, so gradients are set directly:
+        # random local shards, equal on the ranks that replicate them, read back by full_tensor.
+        for p in model.parameters():
+            seed = 1000 * step + sum(c * 10**i for i, c in enumerate(p.device_mesh.get_coordinate()))
+            local = torch.randn(p.to_local().shape, generator=torch.Generator().manual_seed(seed))
+            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        return torch.zeros((), requires_grad=True)
+
+    loss = forward_loss if hidden % 2 == 0 else given_gradients
+    return (*train(model, list(model.named_parameters()), loss), placements)
+
+
+@pytest.mark.parametrize("hidden", [14, 13])
+def test_fsdp_tp_2d_mesh_row_and_column_wise(hidden):
+    # hidden 14: tp splits evenly (7/7), dp unevenly (4/3 rows of each tp block; 5/4 rows of
+    # down); hidden 13: uneven on both mesh dims (7/6 over tp, then 4/3 and 3/3 over dp).
+    results = run_ranks(fsdp_tp, 4, hidden)
+    placements = results[0][2]
+    assert placements["up.weight"] == ("_StridedShard", "Shard") and placements["down.weight"] == ("Shard", "Shard")
+    assert placements["head.weight"] == ("Shard",)
+    _check([r[:2] for r in results], min_owners=3)
+
+
+def experts(rank, world_size, dim):
+    # (3, 8, 12): Shard(0) puts whole experts on ranks 0-2 and none on rank 3; Shard(1) cuts each
+    # expert's 8 rows over the 4 ranks, Shard(2) its 12 columns (FSDP2 needs even splits there).
+    model = Weights({"experts": (3, 8, 12), "w13": (13, 9)})
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(dim if p.ndim == 3 else 0))
+    groups = [{"params": [("experts", model.ws["experts"])], "flatten": False},
+              {"params": [("w13", model.ws["w13"])]}]  # fmt: skip
+    return train(model, groups, model, stacked=("ws.experts",))
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_expert_stacks_sharded_on_experts_rows_or_columns(dim):
+    _check(run_ranks(experts, 4, dim), min_owners=3)

@@ -3,10 +3,11 @@
 Pure: no collectives. A parameter's ranks are the ranks of its device mesh's root mesh (so a
 weight on a sub-mesh, e.g. the dp mesh of a dp x tp job, is seen as replicated on the other
 dims), numbered by row-major mesh coordinate; a plain tensor in a job of W ranks is replicated
-on all of them (DDP). Each rank's block of the global tensor comes from DTensor's own
-local-shape-and-offset rule, which handles Shard, Replicate and the _StridedShard that FSDP2 puts
-over tensor parallelism. A parameter viewed as matrices (``row_blocks``) then gives each matrix
-one ``Piece`` per rank.
+on all of them (DDP). Each rank's block of the global tensor follows from the placements
+(Shard, Replicate, and the _StridedShard that FSDP2 puts over tensor parallelism), each cut with
+torch.chunk semantics; this rank's block is checked against DTensor's own rule and its local
+tensor. A parameter viewed as matrices (``row_blocks``) then gives each matrix one ``Piece`` per
+rank.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from itertools import product
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from dmuon_fsdp.planner import EMPTY, MatrixLayout, Piece
@@ -49,30 +50,49 @@ def root_placements(param: DTensor, name: str) -> tuple[Placement, ...]:
     return tuple(placements)
 
 
-def _check_placements(placements: Sequence[Placement], mesh_shape: Sequence[int], name: str) -> None:
-    """Shard, Replicate, and _StridedShard only as FSDP2 puts it over a later Shard of that dim."""
+def _chunk(start: int, length: int, parts: int, index: int) -> tuple[int, int]:
+    """Piece ``index`` of [start, start + length) cut by ``torch.chunk`` into ``parts``."""
+    size = -(-length // parts) if length else 0
+    lo = min(length, index * size)
+    return start + lo, min(length, lo + size) - lo
+
+
+def _shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int], name: str) -> list[int]:
+    """Mesh dims in the order their shards cut the tensor: mesh order, except that FSDP2's
+    _StridedShard on top of tensor parallelism cuts after the later Shards of its dim."""
+    order, deferred = [], []
     for i, placement in enumerate(placements):
         if isinstance(placement, _StridedShard):
             later = [mesh_shape[k] for k in range(i + 1, len(placements))
                      if type(placements[k]) is Shard and placements[k].dim == placement.dim]  # fmt: skip
-            if math.prod(later) != placement.split_factor:
+            if math.prod(later) != placement.split_factor or any(
+                isinstance(p, _StridedShard) and p.dim == placement.dim for p in placements[i + 1 :]
+            ):
                 raise NotImplementedError(
                     f"parameter {name!r}: placements {tuple(placements)} hold strided (non-contiguous) "
                     "blocks; only FSDP2's _StridedShard over tensor parallelism is supported"
                 )
-        elif type(placement) not in (Shard, Replicate):
+            deferred.insert(0, i)
+        elif type(placement) is Shard:
+            order.append(i)
+        elif type(placement) is not Replicate:
             raise NotImplementedError(f"parameter {name!r} has unsupported placements {tuple(placements)}")
+    return order + deferred
 
 
 @lru_cache(maxsize=1024)
 def rank_boxes(
-    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...], name: str = "?"
 ) -> tuple[Box, ...]:
-    """Every rank's block of a tensor, in row-major mesh coordinate order."""
+    """Every rank's block of a tensor (torch.chunk at each cut), in row-major coordinate order."""
+    order = _shard_order(placements, mesh_shape, name)
     boxes = []
     for coordinate in product(*(range(n) for n in mesh_shape)):
-        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
-        boxes.append((tuple(offset), tuple(local)))
+        offset, size = [0] * len(shape), list(shape)
+        for i in order:
+            d = placements[i].dim % len(shape)
+            offset[d], size[d] = _chunk(offset[d], size[d], mesh_shape[i], coordinate[i])
+        boxes.append((tuple(offset), tuple(size)))
     return tuple(boxes)
 
 
@@ -102,16 +122,20 @@ def param_boxes(
     root = param.device_mesh._get_root_mesh()
     placements = root_placements(param, name)
     mesh_shape = tuple(root.shape)
-    _check_placements(placements, mesh_shape, name)
-    boxes = rank_boxes(shape, mesh_shape, placements)
+    boxes = rank_boxes(shape, mesh_shape, placements, name)
     coordinate = root.get_coordinate()
     me = 0
     for k, n in zip(coordinate, mesh_shape):
         me = me * n + k
-    if boxes[me][1] != tuple(param.to_local().shape):
+    # DTensor's own rule for this rank's block must agree (an empty block's offset aside), as
+    # must the local tensor.
+    local, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
+    agrees = boxes[me][1] == tuple(local) and (boxes[me][0] == tuple(offset) or not all(local))
+    if not agrees or tuple(local) != tuple(param.to_local().shape):
         raise NotImplementedError(
-            f"parameter {name!r}: local shard has shape {tuple(param.to_local().shape)}, but placements "
-            f"{placements} on mesh {mesh_shape} give {boxes[me][1]} at coordinate {tuple(coordinate)}"
+            f"parameter {name!r}: placements {placements} on mesh {mesh_shape} give the block at offset "
+            f"{boxes[me][0]} of shape {boxes[me][1]} at coordinate {tuple(coordinate)}, but DTensor "
+            f"places offset {tuple(offset)} shape {tuple(local)}, local shard {tuple(param.to_local().shape)}"
         )
     return boxes, replica_indices(mesh_shape, placements), me
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp.layouts import rank_boxes, replica_indices
 from spawn import run_ranks
 
 
@@ -47,3 +48,15 @@ def test_unsupported_layouts_raise_on_every_rank():
         assert "Shard(dim=2)" in errors["conv_flattened"]
         # As a stack of 4 matrices (6, 8), dim 2 is each matrix's columns: a rectangle per rank.
         assert errors["conv_stacked"] is None and errors["row_shard"] is None
+
+
+def test_rank_boxes_match_dtensor_layouts_seen_on_a_2x2_mesh():
+    # Read from real (dp=2, tp=2) FSDP2 + TP parameters with torch 2.13 (see tests/test_meshes.py).
+    colwise = rank_boxes((13, 9), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)))
+    assert [(o[0], s[0]) for o, s in colwise] == [(0, 4), (7, 3), (4, 3), (10, 3)]
+    rowwise = rank_boxes((9, 13), (2, 2), (Shard(0), Shard(1)))
+    assert rowwise == (((0, 0), (5, 7)), ((0, 7), (5, 6)), ((5, 0), (4, 7)), ((5, 7), (4, 6)))
+    hsdp = rank_boxes((5, 3), (2, 3), (Replicate(), Shard(0)))
+    assert [s[0] for _, s in hsdp] == [2, 2, 1, 2, 2, 1]
+    assert replica_indices((2, 3), (Replicate(), Shard(0))) == (0, 0, 0, 1, 1, 1)
+    assert rank_boxes((5, 3), (4,), (Shard(0),))[3] == ((5, 0), (0, 3)), "empty last shard"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU checks, one command on a CUDA machine (uses its python3 and torch, no install):
+# correctness against the float64 reference on NCCL, Newton-Schulz throughput, the optimizer
+# benchmark on the 124M preset, a short pretraining run, and the layout tests under this torch.
+#   bash scripts/gpu_check.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-runs/gpu_check}}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+GPUS=$(nvidia-smi -L | wc -l)
+step() { echo; echo "== $*"; local t=$1; shift; timeout "$t" "$@" 2>&1 | grep -v -e "Warning" -e "^W1" -e "^\*\*\*"; }
+nvidia-smi -L
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+step 150 torchrun --standalone --nproc-per-node "$GPUS" scripts/check_cuda.py
+step 90 python3 scripts/bench_optimizer.py --ns-throughput --out "$OUT/bench.json"
+step 150 python3 scripts/bench_optimizer.py --world-size "$GPUS" --preset 124m --out "$OUT/bench_124m.json"
+step 150 torchrun --standalone --nproc-per-node "$GPUS" recipes/pretrain.py --preset 124m --optimizer dmuon \
+    --steps 60 --val-every 30 --no-progress --run-dir "$OUT/pretrain"
+step 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_meshes.py tests/test_layouts.py tests/test_single_process.py

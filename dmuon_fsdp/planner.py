@@ -83,6 +83,14 @@ class MatrixLayout:
         return holders[0] if len(holders) == 1 else None
 
 
+def replicated(layout: MatrixLayout, copies: int) -> MatrixLayout:
+    """``layout`` held by ``copies`` replica groups, replica index outermost in rank order (HSDP
+    on a (copies, shards) mesh); for simulations and tests."""
+    shards = len(layout.pieces)
+    replicas = tuple(r for r in range(copies) for _ in range(shards))
+    return MatrixLayout(layout.name, layout.rows, layout.cols, layout.pieces * copies, layout.ns_steps, replicas)
+
+
 def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
     """Rows per rank under ``torch.chunk`` semantics, as FSDP2 shards dim 0.
 

@@ -68,7 +68,8 @@ def timed_steps(optimizers: list, steps: int, warmup: int, device: torch.device)
             opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        sample = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu], dtype=torch.float64)
+        sample = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu], dtype=torch.float64,
+                              device=device)  # NCCL reduces device tensors only
         slowest, total_cpu = sample.clone(), sample.clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         dist.all_reduce(total_cpu)

@@ -18,6 +18,7 @@ from dmuon_fsdp.planner import (
     build_plan,
     chunk_row_counts,
     makespan_lower_bound,
+    replicated,
 )
 from model_shapes import LLAMA_SHAPES
 
@@ -113,16 +114,11 @@ def test_rejects_pieces_that_do_not_tile_the_matrix():
         build_plan([MatrixLayout.row_sharded("w", 5, 3, (2, 2), 5)], 2, 2**20, 4)
 
 
-def _hsdp_layout(rows, cols, replicas, shards):
-    """(Replicate, Shard(0)) over a (replicas, shards) mesh, ranks in row-major order."""
-    row_split = MatrixLayout.row_sharded("w", rows, cols, chunk_row_counts(rows, shards), 5).pieces
-    return MatrixLayout("w", rows, cols, row_split * replicas, 5, tuple(r for r in range(replicas) for _ in range(shards)))
-
-
 @pytest.mark.parametrize("replicas,shards", [(2, 2), (3, 2), (2, 3)])
 def test_replicated_matrices_gather_one_copy_and_scatter_to_all(replicas, shards):
     world = replicas * shards
-    matrices = [_hsdp_layout(7 + i, 5, replicas, shards) for i in range(2 * world)]
+    matrices = [replicated(MatrixLayout.row_sharded(f"m{i}", 7 + i, 5, chunk_row_counts(7 + i, shards), 5), replicas)
+                for i in range(2 * world)]
     plan = build_plan(matrices, world, 2**20, 4)
     assert sorted(set(plan.owners)) == list(range(world)), "owners spread over every replica"
     for j, (m, owner) in enumerate(zip(plan.matrices, plan.owners)):

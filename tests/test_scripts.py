@@ -34,3 +34,16 @@ def test_simulate_scale_predicts_dmuon_below_gather_all(tmp_path):
         assert row["busiest_over_l2_bound"] >= 1 - 1e-9
         assert row["dmuon_ms"] < row["gather_ms"]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_hsdp_deduplication_moves_less_than_repeating_ns_per_replica():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from hsdp_bytes import compare
+    from model_shapes import LLAMA_SHAPES
+
+    for replicas, shards in [(2, 4), (4, 2)]:
+        schemes = compare(LLAMA_SHAPES["gpt2-124m"], replicas, shards)
+        ours, repeated, two_step = schemes["DMuonFSDP"], schemes["per-replica"], schemes["a2a + all-gather"]
+        assert ours[1] < repeated[1], "one copy to the owner instead of one per replica"
+        assert abs(ours[1] - two_step[1]) < 1e-9, "the same total bytes as a2a + all-gather"
+        assert ours[2] <= repeated[2] / replicas * 1.1, "NS spread over every replica's ranks"

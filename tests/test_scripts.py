@@ -41,9 +41,12 @@ def test_hsdp_deduplication_moves_less_than_repeating_ns_per_replica():
     from hsdp_bytes import compare
     from model_shapes import LLAMA_SHAPES
 
-    for replicas, shards in [(2, 4), (4, 2)]:
+    # Job totals: per-replica minus ours = N (R - 1)(S - 2) / S elements, N = all matrices' size.
+    for replicas, shards in [(2, 4), (4, 2), (3, 8)]:
         schemes = compare(LLAMA_SHAPES["gpt2-124m"], replicas, shards)
         ours, repeated, two_step = schemes["DMuonFSDP"], schemes["per-replica"], schemes["a2a + all-gather"]
-        assert ours[1] < repeated[1], "one copy to the owner instead of one per replica"
+        total = sum(r * c for r, c in LLAMA_SHAPES["gpt2-124m"]) * 2 / 2**20
+        saved = total * (replicas - 1) * (shards - 2) / shards / (replicas * shards)
+        assert abs((repeated[1] - ours[1]) - saved) < 1e-6 * total, (replicas, shards)
         assert abs(ours[1] - two_step[1]) < 1e-9, "the same total bytes as a2a + all-gather"
         assert ours[2] <= repeated[2] / replicas * 1.1, "NS spread over every replica's ranks"

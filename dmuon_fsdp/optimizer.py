@@ -30,7 +30,9 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
 
 
 class DMuonFSDP(Optimizer):
-    """Distributed Muon for FSDP2 (DTensor ``Shard(0)``) parameters; AdamW for the rest.
+    """Distributed Muon for FSDP2, HSDP, FSDP + TP and replicated (DDP) parameters, and plain
+    tensors in one process; AdamW for the rest. Each matrix is orthogonalized once in the job,
+    by an owner rank of the parameters' root mesh (see ``dmuon_fsdp.layouts``).
 
     Arguments follow ``torch.optim.Muon`` (lr, momentum, nesterov, weight_decay, ns_steps,
     ns_coefficients, eps, adjust_lr_fn), plus:

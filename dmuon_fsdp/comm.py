@@ -115,14 +115,9 @@ class ShardExchange:
         plan = self.plan
         counts = self.gather_counts[k]
         with self.stats.phase("pack"):
-            send = torch.empty(sum(counts[0]), dtype=self.dtype, device=device)
-            offset = 0
-            for _, matrices in self._order(plan.buckets[k], peer_is_owner=True):
-                for j in matrices:
-                    if self.rank in plan.senders[j]:
-                        block = local_pieces[j]
-                        send[offset : offset + block.numel()].view_as(block).copy_(block)
-                        offset += block.numel()
+            pieces = [local_pieces[j] for _, matrices in self._order(plan.buckets[k], peer_is_owner=True)
+                      for j in matrices if self.rank in plan.senders[j]]  # fmt: skip
+            send = _packed(pieces, sum(counts[0]), self.dtype, device)
         return self._launch(k, send, counts)
 
     def finish_gather(self, pending: Pending) -> dict[int, Tensor]:
@@ -131,28 +126,24 @@ class ShardExchange:
         receive = self._wait(pending)
         with self.stats.phase("pack"):
             owned = plan.owned_by(plan.buckets[pending.bucket], self.rank)
-            full = {j: receive.new_empty(plan.matrices[j].rows, plan.matrices[j].cols) for j in owned}
+            received: dict[int, list[tuple[Piece, Tensor]]] = {j: [] for j in owned}
             offset = 0
             for src, matrices in self._order(plan.buckets[pending.bucket], peer_is_owner=False):
                 for j in matrices:
                     if src in plan.senders[j]:
                         p = plan.matrices[j].pieces[src]
-                        _region(full[j], p).copy_(receive[offset : offset + p.numel].view(p.rows, p.cols))
+                        received[j].append((p, receive[offset : offset + p.numel].view(p.rows, p.cols)))
                         offset += p.numel
-            return full
+            return {j: _assembled(plan.matrices[j].rows, plan.matrices[j].cols, received[j], receive) for j in owned}
 
     def start_scatter(self, k: int, results: dict[int, Tensor], device: torch.device) -> Pending:
         """Send every rank its piece of each orthogonalized matrix this rank owns in bucket k."""
         plan = self.plan
         counts = self.scatter_counts[k]
         with self.stats.phase("pack"):
-            send = torch.empty(sum(counts[0]), dtype=self.dtype, device=device)
-            offset = 0
-            for dst, matrices in self._order(plan.buckets[k], peer_is_owner=False):
-                for j in matrices:
-                    p = plan.matrices[j].pieces[dst]
-                    send[offset : offset + p.numel].view(p.rows, p.cols).copy_(_region(results[j], p))
-                    offset += p.numel
+            pieces = [_region(results[j], plan.matrices[j].pieces[dst])
+                      for dst, matrices in self._order(plan.buckets[k], peer_is_owner=False) for j in matrices]  # fmt: skip
+            send = _packed(pieces, sum(counts[0]), self.dtype, device)
         return self._launch(k, send, counts)
 
     def finish_scatter(self, pending: Pending) -> dict[int, Tensor]:
@@ -172,6 +163,31 @@ class ShardExchange:
 
 def _region(matrix: Tensor, piece: Piece) -> Tensor:
     return matrix[piece.row : piece.row + piece.rows, piece.col : piece.col + piece.cols]
+
+
+def _packed(pieces: list[Tensor], numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """One flat ``dtype`` buffer holding ``pieces`` in order, written by a single ``cat``."""
+    send = torch.empty(numel, dtype=dtype, device=device)
+    flat = [p.reshape(-1) for p in pieces if p.numel()]
+    if flat:
+        torch.cat(flat, out=send)
+    return send
+
+
+def _assembled(rows: int, cols: int, received: list[tuple[Piece, Tensor]], buffer: Tensor) -> Tensor:
+    """A full matrix from its received pieces: the buffer itself when one piece is the whole
+    matrix, one ``cat`` when the pieces are full-width row blocks, else a copy per piece."""
+    received = [(p, view) for p, view in received if p.numel]
+    if not received:
+        return buffer.new_zeros(rows, cols)
+    if len(received) == 1 and received[0][0].rows == rows and received[0][0].cols == cols:
+        return received[0][1]
+    if all(p.col == 0 and p.cols == cols for p, _ in received):
+        return torch.cat([view for _, view in sorted(received, key=lambda item: item[0].row)])
+    full = buffer.new_empty(rows, cols)
+    for p, view in received:
+        _region(full, p).copy_(view)
+    return full
 
 
 def local_shard(t: Tensor) -> Tensor:

@@ -323,7 +323,10 @@ class DMuonFSDP(Optimizer):
     def _apply(
         self, blocks: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], plan: Plan, rank: int
     ) -> None:
-        """Weight decay and the scaled update on this rank's piece of each matrix."""
+        """Weight decay and the scaled update on this rank's piece of each matrix: one foreach
+        multiply for the decays and one foreach add per distinct step size."""
+        decayed, decays = [], []
+        by_step: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
         for j, block in blocks.items():
             group, p, _ = entries[plan.param_of[j]]
             m = plan.matrices[j]
@@ -331,5 +334,12 @@ class DMuonFSDP(Optimizer):
             lr = float(group["lr"])
             target = _local(p).view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
             if group["weight_decay"]:
-                target.mul_(1.0 - lr * group["weight_decay"])
-            target.add_(block, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
+                decayed.append(target)
+                decays.append(1.0 - lr * group["weight_decay"])
+            targets, updates = by_step.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols), ([], []))
+            targets.append(target)
+            updates.append(block)
+        if decayed:
+            torch._foreach_mul_(decayed, decays)
+        for step_size, (targets, updates) in by_step.items():
+            torch._foreach_add_(targets, updates, alpha=-step_size)

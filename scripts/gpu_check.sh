@@ -14,6 +14,7 @@ nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 step 150 torchrun --standalone --nproc-per-node "$GPUS" scripts/check_cuda.py
 step 90 python3 scripts/bench_optimizer.py --ns-throughput --out "$OUT/bench.json"
+step 90 python3 scripts/bench_optimizer.py --ns-throughput --preset 124m --out "$OUT/bench_124m_ns.json"
 step 150 python3 scripts/bench_optimizer.py --world-size "$GPUS" --preset 124m --out "$OUT/bench_124m.json"
 step 150 torchrun --standalone --nproc-per-node "$GPUS" recipes/pretrain.py --preset 124m --optimizer dmuon \
     --steps 60 --val-every 30 --no-progress --run-dir "$OUT/pretrain"

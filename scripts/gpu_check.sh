@@ -16,6 +16,8 @@ step 150 torchrun --standalone --nproc-per-node "$GPUS" scripts/check_cuda.py
 step 90 python3 scripts/bench_optimizer.py --ns-throughput --out "$OUT/bench.json"
 step 90 python3 scripts/bench_optimizer.py --ns-throughput --preset 124m --out "$OUT/bench_124m_ns.json"
 step 150 python3 scripts/bench_optimizer.py --world-size "$GPUS" --preset 124m --out "$OUT/bench_124m.json"
-step 150 torchrun --standalone --nproc-per-node "$GPUS" recipes/pretrain.py --preset 124m --optimizer dmuon \
-    --steps 60 --val-every 30 --no-progress --run-dir "$OUT/pretrain"
+for opt in dmuon adamw; do
+    step 150 torchrun --standalone --nproc-per-node "$GPUS" recipes/pretrain.py --preset 124m --optimizer $opt \
+        --steps 60 --val-every 30 --no-progress --run-dir "$OUT/pretrain_$opt"
+done
 step 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_meshes.py tests/test_layouts.py tests/test_single_process.py

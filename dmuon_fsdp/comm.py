@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp.planner import Bucket, Piece, Plan
@@ -195,23 +196,20 @@ def local_shard(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def exchange_group(param: Tensor | None) -> tuple[dist.ProcessGroup | None, int]:
-    """(process group, rank in it) over which a parameter's matrices move: all ranks of its root
-    mesh, group ranks in row-major mesh coordinate order; for a plain tensor, the default group
-    (None, 0 when there is none or it has one rank)."""
-    if not isinstance(param, DTensor):
+def exchange_group(mesh: DeviceMesh | None) -> tuple[dist.ProcessGroup | None, int]:
+    """(process group, rank in it) over which matrices move: all ranks of ``mesh``, group ranks
+    in row-major mesh coordinate order; for plain tensors (None), the default group (None, 0
+    when there is none or it has one rank)."""
+    if mesh is None:
         if default_world_size() > 1:
             return dist.group.WORLD, dist.get_rank()
         return None, 0
-    mesh = param.device_mesh._get_root_mesh()
     if mesh.ndim == 1:
         return mesh.get_group(0), mesh.get_local_rank(0)
     if mesh.mesh.flatten().tolist() == list(range(dist.get_world_size())):
         return dist.group.WORLD, dist.get_rank()
     if not mesh.mesh_dim_names:
-        raise NotImplementedError(
-            f"{mesh} covers part of the job's ranks and has no dim names to flatten it by"
-        )
+        raise NotImplementedError(f"{mesh} covers part of the job's ranks and has no dim names to flatten it by")
     flat = mesh._flatten()
     return flat.get_group(0), flat.get_local_rank(0)
 

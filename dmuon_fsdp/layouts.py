@@ -1,9 +1,9 @@
 """Where each Muon matrix lives: the piece of it every rank holds, read from DTensor placements.
 
-Pure: no collectives. A parameter's ranks are the ranks of its device mesh's root mesh (so a
-weight on a sub-mesh, e.g. the dp mesh of a dp x tp job, is seen as replicated on the other
-dims), numbered by row-major mesh coordinate; a plain tensor in a job of W ranks is replicated
-on all of them (DDP). Each rank's block of the global tensor follows from the placements
+Pure: no collectives. Matrices are exchanged over one mesh, the widest the Muon parameters live
+on; a parameter on a named sub-mesh of it (the dp mesh of a dp x tp job) is replicated on the
+other dims. Ranks are numbered by row-major mesh coordinate; a plain tensor in a job of W ranks
+is replicated on all of them (DDP). Each rank's block of the global tensor follows from the placements
 (Shard, Replicate, and the _StridedShard that FSDP2 puts over tensor parallelism), each cut with
 torch.chunk semantics; this rank's block is checked against DTensor's own rule and its local
 tensor. A parameter viewed as matrices (``row_blocks``) then gives each matrix one ``Piece`` per
@@ -28,25 +28,25 @@ from dmuon_fsdp.planner import EMPTY, MatrixLayout, Piece
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, local shape) of one rank's block
 
 
-def root_mesh(param: torch.Tensor) -> DeviceMesh | None:
-    """The mesh whose ranks exchange ``param``'s matrices (None for a plain tensor)."""
-    return param.device_mesh._get_root_mesh() if isinstance(param, DTensor) else None
+def mesh_dims_in(mesh: DeviceMesh, sub: DeviceMesh) -> list[int] | None:
+    """The dims of ``mesh`` that ``sub`` spans, when ``sub`` is ``mesh`` or a sub-mesh of it
+    sliced by dim names (``mesh["dp"]``); otherwise None."""
+    if sub == mesh:
+        return list(range(mesh.ndim))
+    names, sub_names = mesh.mesh_dim_names, sub.mesh_dim_names
+    if not names or not sub_names or not set(sub_names) <= set(names) or mesh[tuple(sub_names)] != sub:
+        return None
+    return [names.index(n) for n in sub_names]
 
 
-def root_placements(param: DTensor, name: str) -> tuple[Placement, ...]:
-    """``param``'s placements on its root mesh: Replicate on root dims its own mesh lacks."""
-    mesh, root = param.device_mesh, param.device_mesh._get_root_mesh()
-    if mesh is root or mesh == root:
-        return tuple(param.placements)
-    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
-    if not names or not root_names or any(n not in root_names for n in names):
-        raise NotImplementedError(
-            f"parameter {name!r} lives on a sub-mesh {mesh} (dims {names}) that is not a set of "
-            f"named dims of its root mesh {root} (dims {root_names})"
-        )
-    placements: list[Placement] = [Replicate()] * root.ndim
-    for dim_name, placement in zip(names, param.placements):
-        placements[root_names.index(dim_name)] = placement
+def exchange_placements(param: DTensor, name: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """``param``'s placements on the exchange ``mesh``: Replicate on dims its own mesh lacks."""
+    dims = mesh_dims_in(mesh, param.device_mesh)
+    if dims is None:
+        raise ValueError(f"parameter {name!r} lives on {param.device_mesh}, not on {mesh} or a named sub-mesh of it")
+    placements: list[Placement] = [Replicate()] * mesh.ndim
+    for dim, placement in zip(dims, param.placements):
+        placements[dim] = placement
     return tuple(placements)
 
 
@@ -111,19 +111,20 @@ def replica_indices(mesh_shape: Sequence[int], placements: Sequence[Placement]) 
 
 
 def param_boxes(
-    param: torch.Tensor, name: str, world_size: int
+    param: torch.Tensor, name: str, world_size: int, mesh: DeviceMesh | None = None
 ) -> tuple[tuple[Box, ...], tuple[int, ...] | None, int]:
-    """(every rank's box, replica indices, this rank's index) for a DTensor or a plain tensor
-    replicated over ``world_size`` ranks (this rank's index is then unknown here: -1)."""
+    """(every rank's box, replica indices, this rank's index) for a DTensor on the exchange
+    ``mesh`` (default: its own) or a plain tensor replicated over ``world_size`` ranks (this
+    rank's index is then unknown here: -1)."""
     shape = tuple(param.shape)
     if not isinstance(param, DTensor):
         full = ((0,) * len(shape), shape)
         return (full,) * world_size, (tuple(range(world_size)) if world_size > 1 else None), -1
-    root = param.device_mesh._get_root_mesh()
-    placements = root_placements(param, name)
-    mesh_shape = tuple(root.shape)
+    mesh = mesh or param.device_mesh
+    placements = exchange_placements(param, name, mesh)
+    mesh_shape = tuple(mesh.shape)
     boxes = rank_boxes(shape, mesh_shape, placements, name)
-    coordinate = root.get_coordinate()
+    coordinate = mesh.get_coordinate()
     me = 0
     for k, n in zip(coordinate, mesh_shape):
         me = me * n + k
@@ -182,6 +183,7 @@ def describe_param(
     split_sizes: list[int] | None = None,
     num_heads: int | None = None,
     world_size: int = 1,
+    mesh: DeviceMesh | None = None,
 ) -> list[MatrixLayout]:
     """The Muon matrices of a parameter and every rank's piece of each.
 
@@ -192,7 +194,7 @@ def describe_param(
     if param.ndim < 2:
         raise ValueError(f"parameter {name!r} has shape {tuple(param.shape)}: Muon needs >= 2 dims")
     shape = tuple(param.shape)
-    boxes, replicas, _ = param_boxes(param, name, world_size)
+    boxes, replicas, _ = param_boxes(param, name, world_size, mesh)
     placements = str(getattr(param, "placements", "(plain tensor)"))
     stacked = not flatten and len(shape) > 2
     row_dim = 1 if stacked else 0
@@ -218,15 +220,16 @@ def describe_param(
 
 
 def describe_params(
-    params: Sequence[tuple[torch.Tensor, str, dict]], world_size: int = 1
+    params: Sequence[tuple[torch.Tensor, str, dict]], world_size: int = 1, mesh: DeviceMesh | None = None
 ) -> tuple[list[MatrixLayout], list[int]]:
     """The matrices of (parameter, name, group options) items, and the item each belongs to.
 
-    ``world_size`` is the number of ranks plain tensors are replicated on (DDP)."""
+    ``world_size`` is the number of ranks plain tensors are replicated on (DDP); ``mesh`` the
+    exchange mesh DTensors are described on (each parameter's own mesh when None)."""
     layouts, param_of = [], []
     for index, (param, name, group) in enumerate(params):
         for layout in describe_param(param, name, group["ns_steps"], group["flatten"], group["split_sizes"],
-                                     group["num_heads"], world_size):  # fmt: skip
+                                     group["num_heads"], world_size, mesh):  # fmt: skip
             layouts.append(layout)
             param_of.append(index)
     return layouts, param_of

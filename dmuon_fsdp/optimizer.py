@@ -32,7 +32,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
 class DMuonFSDP(Optimizer):
     """Distributed Muon for FSDP2, HSDP, FSDP + TP and replicated (DDP) parameters, and plain
     tensors in one process; AdamW for the rest. Each matrix is orthogonalized once in the job,
-    by an owner rank of the parameters' root mesh (see ``dmuon_fsdp.layouts``).
+    by an owner rank of the widest mesh the Muon parameters live on (see ``dmuon_fsdp.layouts``).
 
     Arguments follow ``torch.optim.Muon`` (lr, momentum, nesterov, weight_decay, ns_steps,
     ns_coefficients, eps, adjust_lr_fn), plus:
@@ -178,19 +178,20 @@ class DMuonFSDP(Optimizer):
                 if not (use_muon is False and key in group):
                     adamw_group[key] = group.get(f"adamw_{key}", self.defaults[f"adamw_{key}"])
             new_groups.append(adamw_group)
-        self._mesh_owner = validation.check_new_groups(new_groups, names, self.defaults, self._mesh_owner)
+        mesh_owner = validation.check_new_groups(new_groups, names, self.defaults, self._mesh_owner)
+        if mesh_owner is not None and (self._mesh_owner is None or mesh_owner[0] is not self._mesh_owner[0]):
+            self._exchange = comm.exchange_group(mesh_owner[0])
+            self._check_group = self._exchange[0]
+        self._mesh_owner = mesh_owner
         self._names.update(names)
         for new in new_groups:
             super().add_param_group(new)
             self._init_state(self.param_groups[-1])
 
     def _init_state(self, group: dict[str, Any]) -> None:
-        if group["use_muon"] and group["params"] and self._exchange is None:
-            self._exchange = comm.exchange_group(group["params"][0])
-            self._check_group = self._exchange[0]
         for p in group["params"]:
             if self._check_group is None and (isinstance(p, DTensor) or comm.default_world_size() > 1):
-                self._check_group = comm.exchange_group(p)[0]
+                self._check_group = comm.exchange_group(p.device_mesh if isinstance(p, DTensor) else None)[0]
             zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group["use_muon"]:
                 self.state[p]["momentum_buffer"] = zeros
@@ -268,11 +269,9 @@ class DMuonFSDP(Optimizer):
             for g, p, _ in entries
         )  # fmt: skip
         if self._plan is None or key != self._plan_key:
-            meshes = {p.device_mesh._get_root_mesh() if isinstance(p, DTensor) else None for _, p, _ in entries}
-            if len(meshes) > 1:
-                raise ValueError(f"Muon parameters moved to different meshes after construction: {meshes}")
+            mesh = self._mesh_owner[0] if self._mesh_owner else None
             world = comm.default_world_size()
-            layouts, param_of = describe_params([(p, self._names[p], g) for g, p, _ in entries], world)
+            layouts, param_of = describe_params([(p, self._names[p], g) for g, p, _ in entries], world, mesh)
             size = torch.empty((), dtype=self._comm_dtype(entries[0][1].device)).element_size()
             self._plan = build_plan(layouts, len(layouts[0].pieces), self.bucket_bytes, size, param_of)
             self._plan_key = key

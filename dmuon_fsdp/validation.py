@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from dmuon_fsdp import comm
 from dmuon_fsdp.newton_schulz import resolve_coefficients
-from dmuon_fsdp.layouts import describe_params, root_mesh
+from dmuon_fsdp.layouts import describe_params, mesh_dims_in
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -63,9 +63,8 @@ def check_new_groups(
 ) -> Any:
     """Validate hyper-parameters and layouts of groups about to be added to the optimizer.
 
-    ``mesh_owner`` is (mesh, name of the first parameter on it) for the Muon parameters seen so
-    far, or None; returns it updated. All Muon parameters must share one root mesh (plain tensors:
-    none), the ranks their matrices are exchanged over.
+    ``mesh_owner`` is (mesh, name of a parameter on it) for the Muon parameters seen so far, or
+    None; returns it updated: the widest mesh, over which matrices are exchanged.
     """
     for new in new_groups:
         merged = {**defaults, **new}
@@ -85,13 +84,26 @@ def check_new_groups(
                     raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
             if not new["use_muon"]:
                 continue
+            mesh = p.device_mesh if isinstance(p, DTensor) else None
             describe_params([(p, name, merged)], comm.default_world_size())  # raises for unsupported layouts
-            mesh = root_mesh(p)
-            if mesh_owner is None:
-                mesh_owner = (mesh, name)
-            elif mesh_owner[0] != mesh:
-                raise ValueError(
-                    f"all Muon parameters must live on one device mesh: {name} is on {mesh} but "
-                    f"{mesh_owner[1]} is on {mesh_owner[0]}"
-                )
+            mesh_owner = _widest_mesh(mesh_owner, mesh, name)
     return mesh_owner
+
+
+def _widest_mesh(mesh_owner: Any, mesh: Any, name: str) -> Any:
+    """All Muon parameters must live on one mesh or named sub-meshes of the widest one (a dp x tp
+    job: TP weights on (dp, tp), the others on dp); plain tensors only with plain tensors."""
+    if mesh_owner is None:
+        return (mesh, name)
+    widest, first = mesh_owner
+    if mesh is None and widest is None:
+        return mesh_owner
+    if mesh is not None and widest is not None:
+        if mesh_dims_in(widest, mesh) is not None:
+            return mesh_owner
+        if mesh_dims_in(mesh, widest) is not None:
+            return (mesh, name)
+    raise ValueError(
+        f"all Muon parameters must live on one device mesh or named sub-meshes of it: {name} is on "
+        f"{mesh} but {first} is on {widest}"
+    )

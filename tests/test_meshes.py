@@ -202,3 +202,21 @@ def experts(rank, world_size, dim):
 @pytest.mark.parametrize("dim", [0, 1, 2])
 def test_expert_stacks_sharded_on_experts_rows_or_columns(dim):
     _check(run_ranks(experts, 4, dim), min_owners=3)
+
+
+def pipeline_stages(rank, world_size):
+    # Two pipeline stages with different weights; each stage's HSDP mesh (rep=1, shard=2) is a
+    # sub-mesh of the (pp, rep, shard) job mesh covering half the ranks. Matrices must be
+    # exchanged inside a stage only.
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "rep", "shard"))
+    stage = mesh.get_coordinate()[0]
+    shapes = {"w5": (5, 16), "w13": (13, 9)} if stage == 0 else {"tall": (40, 8), "conv": (6, 3, 3, 3), "w9": (9, 13)}
+    model = Weights(shapes)
+    fully_shard(model, mesh=mesh["rep", "shard"])
+    return (*train(model, list(model.named_parameters()), model), stage)
+
+
+def test_pipeline_stage_submeshes_exchange_within_their_stage():
+    results = run_ranks(pipeline_stages, 4)
+    for stage in (0, 1):
+        _check([r[:2] for r in results if r[2] == stage], min_owners=2)

@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="HSDP: replicate over this many groups, shard within each (world size / replicas)")
     p.add_argument("--data", default=None, help="nanoGPT-style uint16 token file")
     p.add_argument("--text", default=None, help="plain text file, byte-level tokens")
     p.add_argument("--vocab-size", type=int, default=None)
@@ -132,7 +134,14 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
     model = Transformer(cfg).to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
     # An explicit mesh: without one FSDP2 uses the machine's accelerator even for a gloo CPU run.
-    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    world = dist.get_world_size()
+    if world % args.replicas:
+        raise ValueError(f"--replicas {args.replicas} does not divide the world size {world}")
+    if args.replicas > 1:
+        mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    kwargs = {"mesh": mesh}
     if mp:
         kwargs["mp_policy"] = mp
     for block in model.layers:

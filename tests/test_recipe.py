@@ -118,3 +118,12 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path, cache):
     two = run_ranks(run_recipe, 2, tmp_path / "two", cache, ["--steps", "3", "--optimizer", "adamw", "--grad-accum", "2"])[0]
     for step in (1, 2, 3):
         assert abs(one["losses"][step] - two["losses"][step]) <= 1e-5 * one["losses"][step]
+
+
+def test_hsdp_replicas_train_like_fsdp(tmp_path, cache):
+    # (replicate 2, shard 1): each matrix orthogonalized once across the two replicas; the same
+    # global batches and averaged gradients as plain FSDP over 2 ranks.
+    fsdp = run_ranks(run_recipe, 2, tmp_path / "fsdp", cache, ["--steps", "4"])[0]
+    hsdp = run_ranks(run_recipe, 2, tmp_path / "hsdp", cache, ["--steps", "4", "--replicas", "2"])[0]
+    for step in (1, 2, 3, 4):
+        assert abs(fsdp["losses"][step] - hsdp["losses"][step]) <= 1e-5 * fsdp["losses"][step]

@@ -3,6 +3,8 @@ placements; their nearest supported relatives construct."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -60,3 +62,41 @@ def test_rank_boxes_match_dtensor_layouts_seen_on_a_2x2_mesh():
     assert [s[0] for _, s in hsdp] == [2, 2, 1, 2, 2, 1]
     assert replica_indices((2, 3), (Replicate(), Shard(0))) == (0, 0, 0, 1, 1, 1)
     assert rank_boxes((5, 3), (4,), (Shard(0),))[3] == ((5, 0), (0, 3)), "empty last shard"
+
+
+def _dtensor_boxes(shape, mesh_shape, placements):
+    from itertools import product
+
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    boxes = []
+    for coordinate in product(*(range(n) for n in mesh_shape)):
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        boxes.append((tuple(offset), tuple(local)))
+    return boxes
+
+
+def test_rank_boxes_agree_with_dtensor_on_random_layouts():
+    # Random shapes (small and uneven), 1-D to 3-D meshes, Shard / Replicate on any dims and
+    # FSDP2's _StridedShard over a later Shard of the same dim; empty blocks' offsets aside.
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(n):
+        return int(torch.randint(n, (1,), generator=gen))
+
+    checked = 0
+    for _ in range(300):
+        shape = tuple(draw(9) for _ in range(1 + draw(3)))
+        mesh_shape = tuple(1 + draw(3) for _ in range(1 + draw(3)))
+        placements = [Shard(draw(len(shape))) if draw(3) else Replicate() for _ in mesh_shape]
+        if len(mesh_shape) > 1 and draw(2) and type(placements[-1]) is Shard:
+            dim = placements[-1].dim
+            later = [n for n, p in zip(mesh_shape[1:], placements[1:]) if type(p) is Shard and p.dim == dim]
+            placements[0] = _StridedShard(dim, split_factor=math.prod(later))
+        placements = tuple(placements)
+        ours = rank_boxes(shape, mesh_shape, placements)
+        for (offset, size), (d_offset, d_size) in zip(ours, _dtensor_boxes(shape, mesh_shape, placements)):
+            assert size == d_size, (shape, mesh_shape, placements)
+            assert offset == d_offset or not all(size), (shape, mesh_shape, placements)
+        checked += 1
+    assert checked == 300

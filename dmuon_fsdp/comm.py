@@ -37,18 +37,32 @@ class Pending:
         return self.receive
 
 
-class ShardExchange:
-    """Exchanges for one plan, seen from one rank of ``group`` (None: a single process).
+@dataclass(frozen=True)
+class ExchangeGroup:
+    """The process group matrices move over. Plans number ranks by mesh index (row-major mesh
+    coordinate); ``peers[g]`` is the mesh index of group rank g, ``rank`` this rank's mesh index."""
 
-    Split sizes are computed once per plan; build one per plan and reuse it every step.
+    group: dist.ProcessGroup | None
+    rank: int
+    peers: tuple[int, ...]
+
+
+class ShardExchange:
+    """Exchanges for one plan, seen from one rank (``exchange.group`` None: a single process).
+
+    Split sizes are computed once per plan; build one per plan and reuse it every step. Buffers
+    hold peers in group rank order, which need not be mesh order.
     """
 
-    def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup | None, dtype: torch.dtype):
-        if group is None and plan.world_size != 1:
+    def __init__(self, plan: Plan, exchange: ExchangeGroup, dtype: torch.dtype):
+        if exchange.group is None and plan.world_size != 1:
             raise ValueError(f"a plan over {plan.world_size} ranks needs a process group")
-        self.plan, self.rank, self.group, self.dtype = plan, rank, group, dtype
-        self.gather_counts = [plan.gather_counts(b, rank) for b in plan.buckets]
-        self.scatter_counts = [plan.scatter_counts(b, rank) for b in plan.buckets]
+        if len(exchange.peers) != plan.world_size:
+            raise ValueError(f"a plan over {plan.world_size} ranks cannot run on a group of {len(exchange.peers)}")
+        self.plan, self.rank, self.group, self.dtype = plan, exchange.rank, exchange.group, dtype
+        self.peers = exchange.peers
+        self.gather_counts = [plan.gather_counts(b, self.rank) for b in plan.buckets]
+        self.scatter_counts = [plan.scatter_counts(b, self.rank) for b in plan.buckets]
         self.stats = StepStats(torch.device("cpu"))
 
     def _launch(self, bucket: int, send: Tensor, counts: tuple[list[int], list[int]]) -> Pending:
@@ -60,7 +74,8 @@ class ShardExchange:
         if self.group is None:
             receive.copy_(send)
             return Pending(bucket, send, receive, None)
-        work = dist.all_to_all_single(receive, send, receive_counts, send_counts, group=self.group, async_op=True)
+        work = dist.all_to_all_single(receive, send, [receive_counts[c] for c in self.peers],
+                                      [send_counts[c] for c in self.peers], group=self.group, async_op=True)  # fmt: skip
         self.stats.collectives += 1
         return Pending(bucket, send, receive, work)
 
@@ -104,9 +119,9 @@ class ShardExchange:
         for this rank as owner, every peer with the matrices it owns (False)."""
         plan = self.plan
         if peer_is_owner:
-            return [(o, [j for j in bucket.matrices if plan.owners[j] == o]) for o in range(plan.world_size)]
+            return [(o, [j for j in bucket.matrices if plan.owners[j] == o]) for o in self.peers]
         owned = plan.owned_by(bucket, self.rank)
-        return [(peer, owned) for peer in range(plan.world_size)]
+        return [(peer, owned) for peer in self.peers]
 
     def start_gather(self, k: int, local_pieces: dict[int, Tensor], device: torch.device) -> Pending:
         """Send this rank's piece of each matrix in bucket k to its owner, if it is a sender.
@@ -196,22 +211,38 @@ def local_shard(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def exchange_group(mesh: DeviceMesh | None) -> tuple[dist.ProcessGroup | None, int]:
-    """(process group, rank in it) over which matrices move: all ranks of ``mesh``, group ranks
-    in row-major mesh coordinate order; for plain tensors (None), the default group (None, 0
-    when there is none or it has one rank)."""
+_SUBSET_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def exchange_group(mesh: DeviceMesh | None) -> ExchangeGroup:
+    """The group over all ranks of ``mesh`` (for plain tensors, None: the default group, or no
+    group in a single process). A mesh covering part of the job gets a group created by its
+    ranks alone (hashed name, no job-wide counter), so ranks on other meshes need not join."""
     if mesh is None:
         if default_world_size() > 1:
-            return dist.group.WORLD, dist.get_rank()
-        return None, 0
+            return ExchangeGroup(dist.group.WORLD, dist.get_rank(), tuple(range(dist.get_world_size())))
+        return ExchangeGroup(None, 0, (0,))
+    ranks = mesh.mesh.flatten().tolist()
     if mesh.ndim == 1:
-        return mesh.get_group(0), mesh.get_local_rank(0)
-    if mesh.mesh.flatten().tolist() == list(range(dist.get_world_size())):
-        return dist.group.WORLD, dist.get_rank()
-    if not mesh.mesh_dim_names:
-        raise NotImplementedError(f"{mesh} covers part of the job's ranks and has no dim names to flatten it by")
-    flat = mesh._flatten()
-    return flat.get_group(0), flat.get_local_rank(0)
+        group = mesh.get_group(0)
+    elif sorted(ranks) == list(range(dist.get_world_size())):
+        group = dist.group.WORLD
+    else:
+        key = tuple(sorted(ranks))
+        if key not in _SUBSET_GROUPS:
+            _SUBSET_GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+        group = _SUBSET_GROUPS[key]
+    index = {r: i for i, r in enumerate(ranks)}
+    peers = tuple(index[r] for r in dist.get_process_group_ranks(group))
+    return ExchangeGroup(group, index[dist.get_rank()], peers)
+
+
+def all_agree(value: int, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether every rank of ``group`` passed the same integer (one ``all_reduce``)."""
+    if group is None:
+        return True
+    both = all_max(torch.tensor([value, -value], dtype=torch.int64, device=device), group).tolist()
+    return both[0] == -both[1]
 
 
 def default_world_size() -> int:

@@ -114,11 +114,12 @@ class DMuonFSDP(Optimizer):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite, self.check_grads = nonfinite, bool(check_grads)
-        self._exchange: tuple[Any, int] | None = None  # (process group, rank) of the Muon exchange
+        self._exchange = comm.ExchangeGroup(None, 0, (0,))  # where Muon matrices move
+        self._mesh: Any = None  # the mesh they move over (None: plain tensors)
         self._check_group: Any = None
         self.last_step_stats: StepStats | None = None
         self._names: dict[Tensor, str] = {}
-        self._mesh_owner: tuple[Any, str] | None = None
+        self._muon_meshes: dict[Any, str] = {}
         self._plan_key: tuple | None = None
         self._plan: Plan | None = None
         self._shard_exchange: comm.ShardExchange | None = None
@@ -178,11 +179,12 @@ class DMuonFSDP(Optimizer):
                 if not (use_muon is False and key in group):
                     adamw_group[key] = group.get(f"adamw_{key}", self.defaults[f"adamw_{key}"])
             new_groups.append(adamw_group)
-        mesh_owner = validation.check_new_groups(new_groups, names, self.defaults, self._mesh_owner)
-        if mesh_owner is not None and (self._mesh_owner is None or mesh_owner[0] is not self._mesh_owner[0]):
-            self._exchange = comm.exchange_group(mesh_owner[0])
-            self._check_group = self._exchange[0]
-        self._mesh_owner = mesh_owner
+        meshes = validation.check_new_groups(new_groups, names, self.defaults, self._muon_meshes)
+        if meshes != self._muon_meshes:
+            self._mesh = validation.exchange_mesh(meshes)
+            self._exchange = comm.exchange_group(self._mesh)
+            self._check_group = self._exchange.group
+        self._muon_meshes = meshes
         self._names.update(names)
         for new in new_groups:
             super().add_param_group(new)
@@ -191,7 +193,7 @@ class DMuonFSDP(Optimizer):
     def _init_state(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
             if self._check_group is None and (isinstance(p, DTensor) or comm.default_world_size() > 1):
-                self._check_group = comm.exchange_group(p.device_mesh if isinstance(p, DTensor) else None)[0]
+                self._check_group = comm.exchange_group(p.device_mesh if isinstance(p, DTensor) else None).group
             zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group["use_muon"]:
                 self.state[p]["momentum_buffer"] = zeros
@@ -267,15 +269,20 @@ class DMuonFSDP(Optimizer):
             (id(p), p.shape, _local(p).shape, getattr(p, "placements", None), getattr(p, "device_mesh", None),
              g["ns_steps"], g["flatten"], tuple(g["split_sizes"] or ()), g["num_heads"])
             for g, p, _ in entries
-        )  # fmt: skip
+        ) + (id(self._mesh),)  # fmt: skip
         if self._plan is None or key != self._plan_key:
-            mesh = self._mesh_owner[0] if self._mesh_owner else None
             world = comm.default_world_size()
-            layouts, param_of = describe_params([(p, self._names[p], g) for g, p, _ in entries], world, mesh)
-            size = torch.empty((), dtype=self._comm_dtype(entries[0][1].device)).element_size()
-            self._plan = build_plan(layouts, len(layouts[0].pieces), self.bucket_bytes, size, param_of)
-            self._plan_key = key
-            self._shard_exchange = None
+            layouts, param_of = describe_params([(p, self._names[p], g) for g, p, _ in entries], world, self._mesh)
+            device = entries[0][1].device
+            size = torch.empty((), dtype=self._comm_dtype(device)).element_size()
+            plan = build_plan(layouts, len(layouts[0].pieces), self.bucket_bytes, size, param_of)
+            if self.check_grads and not comm.all_agree(plan.signature(), self._exchange.group, device):
+                raise ValueError(
+                    f"the {plan.world_size} ranks exchanging Muon matrices built different plans: their Muon "
+                    "parameters (shapes, placements or group options) differ. Plain tensors under a "
+                    "process group are treated as replicated on every rank (DDP)"
+                )
+            self._plan, self._plan_key, self._shard_exchange = plan, key, None
         return self._plan
 
     def _ns_dtype(self, device: torch.device) -> torch.dtype:
@@ -287,9 +294,9 @@ class DMuonFSDP(Optimizer):
     def _muon_update(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]], stats: StepStats) -> None:
         plan = self.plan_for(entries)
         device = entries[0][2].device
-        group, rank = self._exchange or (None, 0)
+        rank = self._exchange.rank
         if self._shard_exchange is None:
-            self._shard_exchange = comm.ShardExchange(plan, rank, group, self._comm_dtype(device))
+            self._shard_exchange = comm.ShardExchange(plan, self._exchange, self._comm_dtype(device))
         local_pieces = {}
         for j, m in enumerate(plan.matrices):
             piece = m.pieces[rank]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -155,6 +156,11 @@ class Plan:
                 for dst, piece in enumerate(m.pieces):
                     send[dst] += piece.numel
         return send, receive
+
+    def signature(self) -> int:
+        """A checksum of everything ranks must agree on to exchange (not the matrices' names)."""
+        shapes = [(m.rows, m.cols, m.ns_steps, m.pieces, m.replicas) for m in self.matrices]
+        return zlib.crc32(repr((shapes, self.owners, [b.matrices for b in self.buckets])).encode())
 
     def loads(self) -> list[int]:
         """NS flops assigned to each rank."""

@@ -59,13 +59,14 @@ def check_saved_state(name: str, param: Tensor, expected: dict[str, Any], saved:
 
 
 def check_new_groups(
-    new_groups: list[dict[str, Any]], names: dict[Tensor, str], defaults: dict[str, Any], mesh_owner: Any
-) -> Any:
+    new_groups: list[dict[str, Any]], names: dict[Tensor, str], defaults: dict[str, Any], meshes: dict[Any, str]
+) -> dict[Any, str]:
     """Validate hyper-parameters and layouts of groups about to be added to the optimizer.
 
-    ``mesh_owner`` is (mesh, name of a parameter on it) for the Muon parameters seen so far, or
-    None; returns it updated: the widest mesh, over which matrices are exchanged.
+    ``meshes`` maps each mesh the Muon parameters seen so far live on (None: plain tensors) to
+    the name of one parameter on it; returns it updated (see ``exchange_mesh``).
     """
+    meshes = dict(meshes)
     for new in new_groups:
         merged = {**defaults, **new}
         (check_muon_group if new["use_muon"] else check_adamw_group)(merged)
@@ -84,26 +85,25 @@ def check_new_groups(
                     raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
             if not new["use_muon"]:
                 continue
-            mesh = p.device_mesh if isinstance(p, DTensor) else None
             describe_params([(p, name, merged)], comm.default_world_size())  # raises for unsupported layouts
-            mesh_owner = _widest_mesh(mesh_owner, mesh, name)
-    return mesh_owner
+            meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
+    exchange_mesh(meshes)
+    return meshes
 
 
-def _widest_mesh(mesh_owner: Any, mesh: Any, name: str) -> Any:
-    """All Muon parameters must live on one mesh or named sub-meshes of the widest one (a dp x tp
-    job: TP weights on (dp, tp), the others on dp); plain tensors only with plain tensors."""
-    if mesh_owner is None:
-        return (mesh, name)
-    widest, first = mesh_owner
-    if mesh is None and widest is None:
-        return mesh_owner
-    if mesh is not None and widest is not None:
-        if mesh_dims_in(widest, mesh) is not None:
-            return mesh_owner
-        if mesh_dims_in(mesh, widest) is not None:
-            return (mesh, name)
-    raise ValueError(
-        f"all Muon parameters must live on one device mesh or named sub-meshes of it: {name} is on "
-        f"{mesh} but {first} is on {widest}"
-    )
+def exchange_mesh(meshes: dict[Any, str]) -> Any:
+    """The mesh Muon matrices are exchanged over: the widest of ``meshes`` (mesh -> a parameter's
+    name), of which every other must be a named sub-meshes (a dp x tp job: TP weights on (dp,
+    tp), the others on dp). Plain tensors (None) cannot mix with DTensors."""
+    if not meshes:
+        return None
+    widest = max(meshes, key=lambda m: -1 if m is None else m.ndim)
+    for mesh, name in meshes.items():
+        if mesh is widest:
+            continue
+        if mesh is None or widest is None or mesh_dims_in(widest, mesh) is None:
+            raise ValueError(
+                f"all Muon parameters must live on one device mesh or named sub-meshes of it: {name} is "
+                f"on {mesh} but {meshes[widest]} is on {widest}"
+            )
+    return widest

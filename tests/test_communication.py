@@ -106,8 +106,9 @@ def test_step_communication_matches_plan(world_size, overlap, comm_dtype, checks
         assert got == sorted(tuple(e) for e in r["expected_splits"]), f"rank {rank}: split sizes"
         assert all(size == r["element_size"] for _, _, size in r["a2a"]), "comm_dtype on the wire"
         assert r["sent_bytes"] == r["planned_bytes"] > 0
-        # One all_reduce of four integers (the gradient checks, unless both are off); no gathers.
-        assert r["calls"].pop("all_reduce") == (1 if checks else 0)
+        # All-reduces: the gradient checks' four integers and, on this first step, the check that
+        # every rank built the same plan (both off with check_grads=False); no gathers.
+        assert r["calls"].pop("all_reduce") == (2 if checks else 0)
         assert not any(r["calls"].values()), f"rank {rank} gathered: {r['calls']}"
         assert r["ns_matrices"] == r["owned"], f"rank {rank} orthogonalized matrices it does not own"
         stats = r["stats"]

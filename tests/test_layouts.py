@@ -100,3 +100,21 @@ def test_rank_boxes_agree_with_dtensor_on_random_layouts():
             assert offset == d_offset or not all(size), (shape, mesh_shape, placements)
         checked += 1
     assert checked == 300
+
+
+def sub_meshes_in_any_order(rank, world_size):
+    root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    params = [(f"on_{'_'.join(mesh.mesh_dim_names)}", nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)] * mesh.ndim)))
+              for mesh in (root["dp"], root["tp"], root)]  # fmt: skip
+    opt = DMuonFSDP(params)
+    try:
+        DMuonFSDP(params + [("other", nn.Parameter(distribute_tensor(torch.zeros(6, 4), init_device_mesh("cpu", (4,)), [Shard(0)])))])
+    except ValueError as e:
+        return opt._mesh.mesh_dim_names, str(e)
+    return opt._mesh.mesh_dim_names, None
+
+
+def test_exchange_mesh_is_the_widest_whatever_the_order():
+    for names, error in run_ranks(sub_meshes_in_any_order, 4):
+        assert names == ("dp", "tp")
+        assert error is not None and "'other'" in error or "other" in error

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -84,13 +84,13 @@ def train(model, groups, loss_fn, stacked=()):
         opt.zero_grad()
         plan = opt._plan
         counts["sent"] += opt.last_step_stats.bytes_sent
-        counts["planned"] += plan.elements_moved(opt._exchange[1] if opt._exchange else 0) * 4
+        counts["planned"] += plan.elements_moved(opt._exchange.rank) * 4
         for n in ref:
             matrices = zip(ref[n], grads[n], bufs[n]) if n in stacked else [(ref[n], grads[n], bufs[n])]
             for p, g, b in matrices:
                 reference_muon_step(p, g, b, **REFERENCE)
     counts["matrices"] = len(plan.matrices)
-    counts["owned"] = sum(1 for o in plan.owners if o == (opt._exchange[1] if opt._exchange else 0))
+    counts["owned"] = sum(1 for o in plan.owners if o == opt._exchange.rank)
     errors = {n: relative_error(_full(p).detach(), ref[n]) for n, p in params.items()}
     return errors, counts
 
@@ -205,18 +205,65 @@ def test_expert_stacks_sharded_on_experts_rows_or_columns(dim):
 
 
 def pipeline_stages(rank, world_size):
-    # Two pipeline stages with different weights; each stage's HSDP mesh (rep=1, shard=2) is a
-    # sub-mesh of the (pp, rep, shard) job mesh covering half the ranks. Matrices must be
-    # exchanged inside a stage only.
+    # Two pipeline stages with different weights and meshes: stage 0 HSDP on (rep=1, shard=2),
+    # stage 1 FSDP on shard=2, each a sub-mesh of the (pp, rep, shard) job mesh covering half the
+    # ranks. Matrices must be exchanged inside a stage only, and process groups created for one
+    # stage must not shift the job's later groups.
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "rep", "shard"))
     stage = mesh.get_coordinate()[0]
-    shapes = {"w5": (5, 16), "w13": (13, 9)} if stage == 0 else {"tall": (40, 8), "conv": (6, 3, 3, 3), "w9": (9, 13)}
-    model = Weights(shapes)
-    fully_shard(model, mesh=mesh["rep", "shard"])
-    return (*train(model, list(model.named_parameters()), model), stage)
+    if stage == 0:
+        model = Weights({"w5": (5, 16), "w13": (13, 9)})
+        fully_shard(model, mesh=mesh["rep", "shard"])
+    else:
+        model = Weights({"tall": (40, 8), "conv": (6, 3, 3, 3), "w9": (9, 13)})
+        fully_shard(model, mesh=mesh["shard"])
+    result = train(model, list(model.named_parameters()), model)
+    everyone = torch.ones(1)
+    dist.all_reduce(everyone, group=dist.new_group([0, 1, 2, 3]))
+    return (*result, stage, everyone.item())
 
 
 def test_pipeline_stage_submeshes_exchange_within_their_stage():
-    results = run_ranks(pipeline_stages, 4)
+    results = run_ranks(pipeline_stages, 4, timeout=120, pg_timeout=30)
     for stage in (0, 1):
         _check([r[:2] for r in results if r[2] == stage], min_owners=2)
+    assert all(r[3] == 4 for r in results)
+
+
+def permuted_meshes(rank, world_size, mesh_ranks, placements):
+    # Mesh coordinates that do not follow rank order: plans number ranks by coordinate, the
+    # all-to-all by process group rank. (Only 2-D: torch itself mis-shards a permuted 1-D mesh,
+    # whose single dim group orders ranks unlike the mesh.)
+    names = ("a", "b")[: len(placements)]
+    mesh = DeviceMesh("cpu", mesh_ranks, mesh_dim_names=names)
+    model = Weights(SHAPES)
+    for name, p in list(model.ws.items()):
+        model.ws[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
+    return train(model, list(model.named_parameters()), model)
+
+
+@pytest.mark.parametrize("mesh_ranks,placements", [
+    ([[0, 2], [1, 3]], [Replicate(), Shard(0)]),
+    ([[0, 2], [1, 3]], [Shard(1), Shard(0)]),
+])  # fmt: skip
+def test_meshes_whose_coordinates_do_not_follow_rank_order(mesh_ranks, placements):
+    _check(run_ranks(permuted_meshes, 4, mesh_ranks, placements), min_owners=2)
+
+
+def mismatched_plain(rank, world_size):
+    shape = (8, 6) if rank == 0 else (5, 7)
+    w = nn.Parameter(torch.ones(shape))
+    opt = DMuonFSDP([w])
+    w.grad = torch.ones(shape)
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_plain_tensors_that_differ_across_ranks_raise_on_every_rank():
+    # Plain tensors under a process group are replicated (DDP): ranks holding different ones
+    # build different plans, which must fail everywhere rather than garble or hang.
+    for error in run_ranks(mismatched_plain, 2, timeout=60, pg_timeout=20):
+        assert error is not None and "built different plans" in error

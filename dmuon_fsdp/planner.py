@@ -78,10 +78,9 @@ class MatrixLayout:
         return [r for r, piece in enumerate(self.pieces) if piece.numel and self.replica(r) == mine]
 
     @property
-    def sole_holder(self) -> int | None:
-        """The one rank holding every element, if no other rank holds any (it owns the matrix)."""
-        holders = [r for r, piece in enumerate(self.pieces) if piece.numel]
-        return holders[0] if len(holders) == 1 else None
+    def full_holders(self) -> tuple[int, ...]:
+        """Ranks holding the whole matrix: an owner among them needs nothing sent to it."""
+        return tuple(r for r, piece in enumerate(self.pieces) if self.numel and piece.numel == self.numel)
 
 
 def replicated(layout: MatrixLayout, copies: int) -> MatrixLayout:
@@ -226,29 +225,32 @@ def makespan_lower_bound(costs: Sequence[int], world_size: int) -> float:
 
 
 def assign_owners(
-    costs: Sequence[int], world_size: int, pinned: Sequence[int | None] | None = None
+    costs: Sequence[int], world_size: int, allowed: Sequence[Sequence[int] | None] | None = None
 ) -> tuple[list[int], list[int]]:
     """Longest-processing-time-first: biggest matrix first, each to the least-loaded rank.
 
-    ``pinned[j]``, when given, fixes matrix j's owner (its load still counts). Ties break on
-    matrix index and rank number, so the result depends only on the inputs.
+    ``allowed[j]``, when given, restricts matrix j's owner to those ranks; matrices allowed on one
+    rank only are placed first, so the others are balanced around them. Ties break on matrix
+    index and rank number, so the result depends only on the inputs.
     Returns (owner of each matrix, matrix indices in assignment order).
     """
-    pinned = pinned or [None] * len(costs)
+    allowed = allowed or [None] * len(costs)
     order = sorted(range(len(costs)), key=lambda j: (-costs[j], j))
     loads = [0] * world_size
     owners = [0] * len(costs)
-    for j in order:
-        if pinned[j] is not None:
-            owners[j] = pinned[j]
-            loads[pinned[j]] += costs[j]
-    heap = [(load, rank) for rank, load in enumerate(loads)]
-    heapq.heapify(heap)
-    for j in order:
-        if pinned[j] is None:
-            load, rank = heapq.heappop(heap)
-            owners[j] = rank
-            heapq.heappush(heap, (load + costs[j], rank))
+    heap = [(0, rank) for rank in range(world_size)]  # may hold stale entries; loads is the truth
+    for j in [j for j in order if allowed[j] is not None and len(allowed[j]) == 1] + [
+        j for j in order if allowed[j] is None or len(allowed[j]) > 1
+    ]:
+        if allowed[j] is None:
+            while heap[0][0] != loads[heap[0][1]]:
+                heapq.heappop(heap)
+            rank = heap[0][1]
+        else:
+            rank = min(allowed[j], key=lambda r: (loads[r], r))
+        owners[j] = rank
+        loads[rank] += costs[j]
+        heapq.heappush(heap, (loads[rank], rank))
     return owners, order
 
 
@@ -261,8 +263,8 @@ def build_plan(
 ) -> Plan:
     """Assign owners by NS cost over all matrices and cut them into buckets of bounded bytes.
 
-    A matrix that only one rank holds any of (a 1-row matrix, an expert of an expert-sharded
-    stack) is owned by that rank and never moves. Buckets follow the assignment order (largest first), so
+    A matrix that some ranks hold whole (a 1-row matrix, an expert of an expert-sharded stack,
+    also when replicated) is owned by one of them: nothing is sent to its owner. Buckets follow the assignment order (largest first), so
     consecutive matrices go to different owners and every bucket spreads NS work over the ranks;
     while one bucket's NS runs, the next bucket's exchange is in flight. A matrix larger than
     ``bucket_bytes`` gets a bucket of its own.
@@ -279,8 +281,8 @@ def build_plan(
                     f"matrix {m.name!r} ({m.rows}x{m.cols}): the pieces of replica {replica} hold "
                     f"{held} elements, not {m.numel}"
                 )
-    pinned = [m.sole_holder if world_size > 1 else None for m in matrices]
-    owners, order = assign_owners([m.cost for m in matrices], world_size, pinned)
+    allowed = [m.full_holders if 0 < len(m.full_holders) < world_size else None for m in matrices]
+    owners, order = assign_owners([m.cost for m in matrices], world_size, allowed)
     buckets: list[Bucket] = []
     current: list[int] = []
     current_bytes = 0

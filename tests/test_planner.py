@@ -186,3 +186,20 @@ def test_l2_bound_explains_the_70b_case_at_256_ranks():
     busiest = max(build_plan(matrices, 256, 2**40, 2).loads())
     assert busiest > 1.15 * assignment_lower_bound(costs, 256)
     assert busiest <= 1.001 * makespan_lower_bound(costs, 256)
+
+
+def test_replicated_experts_are_owned_where_they_live():
+    # Expert parallel inside HSDP: (replicas 2, shards 4) and 4 experts, expert e whole on shard e
+    # of each replica. Each expert is owned by one of its two holders, and only the result moves
+    # (to the other replica's holder); no rank owns two.
+    world, rows, cols = 8, 6, 5
+    experts = []
+    for e in range(4):
+        counts = [rows if s == e else 0 for s in range(4)]
+        experts.append(replicated(MatrixLayout.row_sharded(f"e{e}", rows, cols, counts, 5), 2))
+    plan = build_plan(experts, world, 2**20, 4)
+    for e, owner in enumerate(plan.owners):
+        assert owner in (e, 4 + e)
+        assert plan.senders[e] == {owner}
+    assert len(set(plan.owners)) == 4
+    assert sum(plan.elements_moved(r) for r in range(world)) == 4 * rows * cols

@@ -49,7 +49,8 @@ class DMuonFSDP(Optimizer):
       (NonFiniteGradientError naming the parameters and ranks, on every rank), ``"skip"`` (no
       parameter or state changes, on every rank; ``last_step_stats.skipped``) or ``"ignore"``.
     - ``check_grads``: verify each step that all ranks have gradients for the same parameters
-      (GradientMismatchError instead of a hang). Cost: one ``all_reduce`` of four integers per
+      (GradientMismatchError instead of a hang), and, when the plan is (re)built, that every
+      rank built the same plan (ValueError otherwise, e.g. plain tensors that differ by rank). Cost: one ``all_reduce`` of four integers per
       step, shared with the ``nonfinite`` check; with ``check_grads=False, nonfinite="ignore"``
       a step makes no collective besides the exchanges. The non-finite check also reads every
       local gradient once (a ``_foreach_norm``).

@@ -74,8 +74,8 @@ class ShardExchange:
         if self.group is None:
             receive.copy_(send)
             return Pending(bucket, send, receive, None)
-        work = dist.all_to_all_single(receive, send, [receive_counts[c] for c in self.peers],
-                                      [send_counts[c] for c in self.peers], group=self.group, async_op=True)  # fmt: skip
+        in_group_order = [receive_counts[c] for c in self.peers], [send_counts[c] for c in self.peers]
+        work = dist.all_to_all_single(receive, send, *in_group_order, group=self.group, async_op=True)
         self.stats.collectives += 1
         return Pending(bucket, send, receive, work)
 
@@ -157,8 +157,8 @@ class ShardExchange:
         plan = self.plan
         counts = self.scatter_counts[k]
         with self.stats.phase("pack"):
-            pieces = [_region(results[j], plan.matrices[j].pieces[dst])
-                      for dst, matrices in self._order(plan.buckets[k], peer_is_owner=False) for j in matrices]  # fmt: skip
+            order = self._order(plan.buckets[k], peer_is_owner=False)
+            pieces = [_region(results[j], plan.matrices[j].pieces[dst]) for dst, matrices in order for j in matrices]
             send = _packed(pieces, sum(counts[0]), self.dtype, device)
         return self._launch(k, send, counts)
 

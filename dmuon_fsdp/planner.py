@@ -264,10 +264,10 @@ def build_plan(
     """Assign owners by NS cost over all matrices and cut them into buckets of bounded bytes.
 
     A matrix that some ranks hold whole (a 1-row matrix, an expert of an expert-sharded stack,
-    also when replicated) is owned by one of them: nothing is sent to its owner. Buckets follow the assignment order (largest first), so
-    consecutive matrices go to different owners and every bucket spreads NS work over the ranks;
-    while one bucket's NS runs, the next bucket's exchange is in flight. A matrix larger than
-    ``bucket_bytes`` gets a bucket of its own.
+    also when replicated) is owned by one of them: nothing is sent to its owner. Buckets follow
+    the assignment order (largest first), so consecutive matrices go to different owners and
+    every bucket spreads NS work over the ranks; while one bucket's NS runs, the next bucket's
+    exchange is in flight. A matrix larger than ``bucket_bytes`` gets a bucket of its own.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -228,9 +228,9 @@ def exchange_group(mesh: DeviceMesh | None) -> ExchangeGroup:
     elif sorted(ranks) == list(range(dist.get_world_size())):
         group = dist.group.WORLD
     else:
-        key = tuple(sorted(ranks))
+        key = (id(dist.group.WORLD), *sorted(ranks))  # a re-initialized job gets new groups
         if key not in _SUBSET_GROUPS:
-            _SUBSET_GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+            _SUBSET_GROUPS[key] = dist.new_group(sorted(ranks), use_local_synchronization=True)
         group = _SUBSET_GROUPS[key]
     index = {r: i for i, r in enumerate(ranks)}
     peers = tuple(index[r] for r in dist.get_process_group_ranks(group))

@@ -94,11 +94,11 @@ def _continued_losses(history):
     return [history["losses"][s] for s in range(5, 9)]
 
 
-@pytest.mark.parametrize("optimizer", ["dmuon", "adamw"])
-def test_resume_continues_exactly(tmp_path, cache, optimizer):
-    full = run_ranks(run_recipe, 2, tmp_path / "a", cache, ["--optimizer", optimizer, "--save-every", "4"])[0]
-    resumed = run_ranks(run_recipe, 2, tmp_path / "b", cache,
-                        ["--optimizer", optimizer, "--resume", str(tmp_path / "a/checkpoints/step_0000004")])[0]  # fmt: skip
+@pytest.mark.parametrize("optimizer,layout", [("dmuon", []), ("adamw", []), ("dmuon", ["--replicas", "2"])])
+def test_resume_continues_exactly(tmp_path, cache, optimizer, layout):
+    full = run_ranks(run_recipe, 2, tmp_path / "a", cache, ["--optimizer", optimizer, "--save-every", "4", *layout])[0]
+    checkpoint = str(tmp_path / "a/checkpoints/step_0000004")
+    resumed = run_ranks(run_recipe, 2, tmp_path / "b", cache, ["--optimizer", optimizer, "--resume", checkpoint, *layout])[0]
     assert sorted(resumed["losses"]) == [5, 6, 7, 8]
     for a, b in zip(_continued_losses(full), _continued_losses(resumed)):
         assert abs(a - b) <= 1e-6 * abs(a), (a, b)

@@ -80,12 +80,18 @@ def _shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int], nam
     return order + deferred
 
 
+def _row_major(coordinate: Sequence[int], shape: Sequence[int]) -> int:
+    index = 0
+    for k, n in zip(coordinate, shape):
+        index = index * n + k
+    return index
+
+
 @lru_cache(maxsize=1024)
-def rank_boxes(
-    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...], name: str = "?"
-) -> tuple[Box, ...]:
-    """Every rank's block of a tensor (torch.chunk at each cut), in row-major coordinate order."""
-    order = _shard_order(placements, mesh_shape, name)
+def rank_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> tuple[Box, ...]:
+    """Every rank's block of a tensor (torch.chunk at each cut), in row-major coordinate order.
+    Cached: parameters of one shape and layout share it."""
+    order = _shard_order(placements, mesh_shape, "?")
     boxes = []
     for coordinate in product(*(range(n) for n in mesh_shape)):
         offset, size = [0] * len(shape), list(shape)
@@ -101,33 +107,27 @@ def replica_indices(mesh_shape: Sequence[int], placements: Sequence[Placement]) 
     replicated = [k for k, p in enumerate(placements) if isinstance(p, Replicate)]
     if not replicated:
         return None
-    indices = []
-    for coordinate in product(*(range(n) for n in mesh_shape)):
-        index = 0
-        for k in replicated:
-            index = index * mesh_shape[k] + coordinate[k]
-        indices.append(index)
-    return tuple(indices)
+    sizes = [mesh_shape[k] for k in replicated]
+    coordinates = product(*(range(n) for n in mesh_shape))
+    return tuple(_row_major([c[k] for k in replicated], sizes) for c in coordinates)
 
 
 def param_boxes(
     param: torch.Tensor, name: str, world_size: int, mesh: DeviceMesh | None = None
-) -> tuple[tuple[Box, ...], tuple[int, ...] | None, int]:
-    """(every rank's box, replica indices, this rank's index) for a DTensor on the exchange
-    ``mesh`` (default: its own) or a plain tensor replicated over ``world_size`` ranks (this
-    rank's index is then unknown here: -1)."""
+) -> tuple[tuple[Box, ...], tuple[int, ...] | None]:
+    """(every rank's box, replica indices) for a DTensor on the exchange ``mesh`` (default: its
+    own) or a plain tensor replicated over ``world_size`` ranks."""
     shape = tuple(param.shape)
     if not isinstance(param, DTensor):
         full = ((0,) * len(shape), shape)
-        return (full,) * world_size, (tuple(range(world_size)) if world_size > 1 else None), -1
+        return (full,) * world_size, (tuple(range(world_size)) if world_size > 1 else None)
     mesh = mesh or param.device_mesh
     placements = exchange_placements(param, name, mesh)
     mesh_shape = tuple(mesh.shape)
-    boxes = rank_boxes(shape, mesh_shape, placements, name)
+    _shard_order(placements, mesh_shape, name)  # names the parameter if the layout is unsupported
+    boxes = rank_boxes(shape, mesh_shape, placements)
     coordinate = mesh.get_coordinate()
-    me = 0
-    for k, n in zip(coordinate, mesh_shape):
-        me = me * n + k
+    me = _row_major(coordinate, mesh_shape)
     # DTensor's own rule for this rank's block must agree (an empty block's offset aside), as
     # must the local tensor.
     local, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
@@ -138,7 +138,7 @@ def param_boxes(
             f"{boxes[me][0]} of shape {boxes[me][1]} at coordinate {tuple(coordinate)}, but DTensor "
             f"places offset {tuple(offset)} shape {tuple(local)}, local shard {tuple(param.to_local().shape)}"
         )
-    return boxes, replica_indices(mesh_shape, placements), me
+    return boxes, replica_indices(mesh_shape, placements)
 
 
 def row_blocks(name: str, rows: int, split_sizes: list[int] | None, num_heads: int | None) -> list[tuple[int, int]]:
@@ -194,7 +194,7 @@ def describe_param(
     if param.ndim < 2:
         raise ValueError(f"parameter {name!r} has shape {tuple(param.shape)}: Muon needs >= 2 dims")
     shape = tuple(param.shape)
-    boxes, replicas, _ = param_boxes(param, name, world_size, mesh)
+    boxes, replicas = param_boxes(param, name, world_size, mesh)
     placements = str(getattr(param, "placements", "(plain tensor)"))
     stacked = not flatten and len(shape) > 2
     row_dim = 1 if stacked else 0

@@ -47,11 +47,25 @@ class ExchangeGroup:
     peers: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class _Wire:
+    """One bucket's buffers seen from this rank, peers in group rank order: (matrix, piece)
+    pairs in the order they sit in each buffer, and the split sizes (send, receive) by mesh index."""
+
+    gather_send: tuple[int, ...]
+    gather_receive: tuple[tuple[int, Piece], ...]
+    owned: tuple[int, ...]
+    scatter_send: tuple[tuple[int, Piece], ...]
+    scatter_receive: tuple[tuple[int, Piece], ...]
+    gather_counts: tuple[list[int], list[int]]
+    scatter_counts: tuple[list[int], list[int]]
+
+
 class ShardExchange:
     """Exchanges for one plan, seen from one rank (``exchange.group`` None: a single process).
 
-    Split sizes are computed once per plan; build one per plan and reuse it every step. Buffers
-    hold peers in group rank order, which need not be mesh order.
+    Buffer layouts and split sizes are worked out once here; build one per plan and reuse it
+    every step. Buffers hold peers in group rank order, which need not be mesh order.
     """
 
     def __init__(self, plan: Plan, exchange: ExchangeGroup, dtype: torch.dtype):
@@ -61,9 +75,24 @@ class ShardExchange:
             raise ValueError(f"a plan over {plan.world_size} ranks cannot run on a group of {len(exchange.peers)}")
         self.plan, self.rank, self.group, self.dtype = plan, exchange.rank, exchange.group, dtype
         self.peers = exchange.peers
-        self.gather_counts = [plan.gather_counts(b, self.rank) for b in plan.buckets]
-        self.scatter_counts = [plan.scatter_counts(b, self.rank) for b in plan.buckets]
+        self.wires = [self._wire(bucket) for bucket in plan.buckets]
         self.stats = StepStats(torch.device("cpu"))
+
+    def _wire(self, bucket: Bucket) -> _Wire:
+        plan, me = self.plan, self.rank
+        by_owner = [j for o in self.peers for j in bucket.matrices if plan.owners[j] == o]
+        owned = plan.owned_by(bucket, me)
+        return _Wire(
+            gather_send=tuple(j for j in by_owner if me in plan.senders[j]),
+            gather_receive=tuple((j, plan.matrices[j].pieces[src]) for src in self.peers for j in owned
+                                 if src in plan.senders[j]),
+            owned=tuple(owned),
+            scatter_send=tuple((j, plan.matrices[j].pieces[dst]) for dst in self.peers for j in owned
+                               if plan.matrices[j].pieces[dst].numel),
+            scatter_receive=tuple((j, plan.matrices[j].pieces[me]) for j in by_owner if plan.matrices[j].pieces[me].numel),
+            gather_counts=plan.gather_counts(bucket, me),
+            scatter_counts=plan.scatter_counts(bucket, me),
+        )  # fmt: skip
 
     def _launch(self, bucket: int, send: Tensor, counts: tuple[list[int], list[int]]) -> Pending:
         send_counts, receive_counts = counts
@@ -114,66 +143,45 @@ class ShardExchange:
         for scatter in scatters:
             apply(self.finish_scatter(scatter))
 
-    def _order(self, bucket: Bucket, peer_is_owner: bool) -> list[tuple[int, list[int]]]:
-        """(peer, matrices) in wire order: the bucket's matrices owned by each peer (True) or,
-        for this rank as owner, every peer with the matrices it owns (False)."""
-        plan = self.plan
-        if peer_is_owner:
-            return [(o, [j for j in bucket.matrices if plan.owners[j] == o]) for o in self.peers]
-        owned = plan.owned_by(bucket, self.rank)
-        return [(peer, owned) for peer in self.peers]
-
     def start_gather(self, k: int, local_pieces: dict[int, Tensor], device: torch.device) -> Pending:
         """Send this rank's piece of each matrix in bucket k to its owner, if it is a sender.
 
         ``local_pieces[j]`` is this rank's (piece.rows, piece.cols) block of matrix j.
         """
-        plan = self.plan
-        counts = self.gather_counts[k]
+        wire = self.wires[k]
         with self.stats.phase("pack"):
-            pieces = [local_pieces[j] for _, matrices in self._order(plan.buckets[k], peer_is_owner=True)
-                      for j in matrices if self.rank in plan.senders[j]]  # fmt: skip
-            send = _packed(pieces, sum(counts[0]), self.dtype, device)
-        return self._launch(k, send, counts)
+            pieces = [local_pieces[j] for j in wire.gather_send]
+            send = _packed(pieces, sum(wire.gather_counts[0]), self.dtype, device)
+        return self._launch(k, send, wire.gather_counts)
 
     def finish_gather(self, pending: Pending) -> dict[int, Tensor]:
         """Wait, then assemble the full (rows, cols) matrices this rank owns in the bucket."""
-        plan = self.plan
+        wire, matrices = self.wires[pending.bucket], self.plan.matrices
         receive = self._wait(pending)
         with self.stats.phase("pack"):
-            owned = plan.owned_by(plan.buckets[pending.bucket], self.rank)
-            received: dict[int, list[tuple[Piece, Tensor]]] = {j: [] for j in owned}
+            received: dict[int, list[tuple[Piece, Tensor]]] = {j: [] for j in wire.owned}
             offset = 0
-            for src, matrices in self._order(plan.buckets[pending.bucket], peer_is_owner=False):
-                for j in matrices:
-                    if src in plan.senders[j]:
-                        p = plan.matrices[j].pieces[src]
-                        received[j].append((p, receive[offset : offset + p.numel].view(p.rows, p.cols)))
-                        offset += p.numel
-            return {j: _assembled(plan.matrices[j].rows, plan.matrices[j].cols, received[j], receive) for j in owned}
+            for j, p in wire.gather_receive:
+                received[j].append((p, receive[offset : offset + p.numel].view(p.rows, p.cols)))
+                offset += p.numel
+            return {j: _assembled(matrices[j].rows, matrices[j].cols, received[j], receive) for j in wire.owned}
 
     def start_scatter(self, k: int, results: dict[int, Tensor], device: torch.device) -> Pending:
         """Send every rank its piece of each orthogonalized matrix this rank owns in bucket k."""
-        plan = self.plan
-        counts = self.scatter_counts[k]
+        wire = self.wires[k]
         with self.stats.phase("pack"):
-            order = self._order(plan.buckets[k], peer_is_owner=False)
-            pieces = [_region(results[j], plan.matrices[j].pieces[dst]) for dst, matrices in order for j in matrices]
-            send = _packed(pieces, sum(counts[0]), self.dtype, device)
-        return self._launch(k, send, counts)
+            pieces = [_region(results[j], p) for j, p in wire.scatter_send]
+            send = _packed(pieces, sum(wire.scatter_counts[0]), self.dtype, device)
+        return self._launch(k, send, wire.scatter_counts)
 
     def finish_scatter(self, pending: Pending) -> dict[int, Tensor]:
         """Wait, then return this rank's (piece.rows, piece.cols) block of each bucket matrix it holds."""
-        plan = self.plan
         receive = self._wait(pending)
         blocks: dict[int, Tensor] = {}
         offset = 0
-        for _, matrices in self._order(plan.buckets[pending.bucket], peer_is_owner=True):
-            for j in matrices:
-                p = plan.matrices[j].pieces[self.rank]
-                if p.numel:
-                    blocks[j] = receive[offset : offset + p.numel].view(p.rows, p.cols)
-                    offset += p.numel
+        for j, p in self.wires[pending.bucket].scatter_receive:
+            blocks[j] = receive[offset : offset + p.numel].view(p.rows, p.cols)
+            offset += p.numel
         return blocks
 
 

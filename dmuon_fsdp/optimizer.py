@@ -16,7 +16,7 @@ from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, check_gradients
 from dmuon_fsdp.comm import local_shard as _local
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype, orthogonalize_all, resolve_coefficients
 from dmuon_fsdp.layouts import describe_params
-from dmuon_fsdp.planner import Plan, build_plan
+from dmuon_fsdp.planner import Piece, Plan, build_plan
 from dmuon_fsdp.stats import StepStats
 
 _OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases", "nonfinite", "check_grads")
@@ -27,6 +27,11 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1.0, rows / cols))
     return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+def _piece_of(local: Tensor, piece: Piece) -> Tensor:
+    """This rank's piece of a matrix inside its local shard (a view: in-place ops update it)."""
+    return local.view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
 
 
 class DMuonFSDP(Optimizer):
@@ -298,12 +303,11 @@ class DMuonFSDP(Optimizer):
         rank = self._exchange.rank
         if self._shard_exchange is None:
             self._shard_exchange = comm.ShardExchange(plan, self._exchange, self._comm_dtype(device))
-        local_pieces = {}
-        for j, m in enumerate(plan.matrices):
-            piece = m.pieces[rank]
-            if piece.numel:
-                update = entries[plan.param_of[j]][2]
-                local_pieces[j] = update.reshape(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
+        local_pieces = {
+            j: _piece_of(entries[plan.param_of[j]][2], m.pieces[rank])
+            for j, m in enumerate(plan.matrices)
+            if m.pieces[rank].numel
+        }
 
         def orthogonalize(full: dict[int, Tensor]) -> dict[int, Tensor]:
             stats.ns_flops += sum(plan.matrices[j].cost for j in full)
@@ -339,7 +343,7 @@ class DMuonFSDP(Optimizer):
             m = plan.matrices[j]
             piece = m.pieces[rank]
             lr = float(group["lr"])
-            target = _local(p).view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
+            target = _piece_of(_local(p), piece)
             if group["weight_decay"]:
                 decayed.append(target)
                 decays.append(1.0 - lr * group["weight_decay"])

@@ -6,9 +6,11 @@
 
 from dmuon_fsdp.grad_checks import GradientMismatchError, NonFiniteGradientError
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS, newton_schulz
-from dmuon_fsdp.optimizer import DMuonFSDP, adjusted_lr
+from dmuon_fsdp.elementwise import adjusted_lr
+from dmuon_fsdp.layouts import chunk_row_counts
+from dmuon_fsdp.optimizer import DMuonFSDP
 from dmuon_fsdp.param_groups import param_groups
-from dmuon_fsdp.planner import Plan, build_plan, chunk_row_counts
+from dmuon_fsdp.planner import Plan, build_plan
 from dmuon_fsdp.stats import StepStats
 
 __all__ = [

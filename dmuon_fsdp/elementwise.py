@@ -1,45 +1,52 @@
-"""Element-wise optimizer math on local shards: Muon momentum and AdamW. No communication."""
+"""Element-wise optimizer math on local shards, as foreach ops over lists: what Muon
+orthogonalizes, its step size, and AdamW through ``torch.optim``'s own functional
+implementation. No communication."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.adamw import adamw as torch_adamw
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 
-def muon_momentum(
-    grads: list[Tensor], buffers: list[Tensor], momentum: float, nesterov: bool
-) -> list[Tensor]:
-    """``buf <- lerp(buf, grad, 1 - momentum)`` in place; returns the tensors to orthogonalize.
-
-    With Nesterov the update is ``lerp(grad, buf, momentum)``, as in ``torch.optim.Muon``.
-    """
-    torch._foreach_lerp_(buffers, grads, 1.0 - momentum)
-    if nesterov:
-        return list(torch._foreach_lerp(grads, buffers, momentum))
-    return buffers
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """The Muon step size for a rows x cols matrix, as in ``torch.optim.Muon``."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
 
 
-def adamw(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One AdamW step per tensor, with the same formula and bias correction as torch.optim.AdamW."""
-    beta1, beta2 = betas
-    for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        step += 1
-        t = step.item()
-        param.mul_(1.0 - lr * weight_decay)
-        exp_avg.lerp_(grad, 1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2**t)).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1**t))
+def input_weight(momentum: float, nesterov: bool) -> float:
+    """With b' = lerp(b, g, 1 - momentum) the new momentum buffer, Muon orthogonalizes b', or
+    with Nesterov g.lerp(b', momentum) (as ``torch.optim.Muon``); both equal lerp(g, b, w) of the
+    old buffer b, with w = momentum or momentum**2. So the input needs no new buffer first."""
+    return momentum * momentum if nesterov else momentum
+
+
+def muon_input(dst: list[Tensor], buffers: list[Tensor], grads: list[Tensor], weight: float, in_place: bool) -> None:
+    """``dst`` <- lerp(grads, buffers, weight), computed in the buffers' dtype; ``in_place`` when
+    ``dst`` has that dtype (otherwise into temporaries, then copied)."""
+    if in_place:
+        torch._foreach_copy_(dst, grads)
+        torch._foreach_lerp_(dst, buffers, weight)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_lerp(grads, buffers, weight))
+
+
+def adamw_kernel(params: list[Tensor]) -> dict[str, bool]:
+    """``fused`` where torch has a fused AdamW for these tensors (CUDA, CPU, ...), else ``foreach``."""
+    fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=True)
+    return {"fused": fused, "foreach": foreach}
+
+
+def adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+          steps: list[Tensor], group: dict[str, Any], kernel: dict[str, bool]) -> None:  # fmt: skip
+    """One ``torch.optim.AdamW`` step of ``group``'s settings on these local tensors."""
+    beta1, beta2 = group["betas"]
+    torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=beta1, beta2=beta2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                **kernel)  # fmt: skip

@@ -1,15 +1,23 @@
 """Checks on gradients before a step, agreed on by every rank so that no rank waits alone.
 
-One ``all_reduce`` of four integers per step carries every question: is any rank's gradient
-invalid (sparse, misshapen, or its parameter resharded under the optimizer) or non-finite, and
-do all ranks agree on which parameters have gradients (a rank that has a gradient the others
-lack would otherwise enter exchanges they never join, and hang). Only when something is wrong
-does a second ``all_reduce`` share each rank's per-parameter findings, so that every rank raises
-the same error naming parameters and ranks.
+Nothing here is a collective of its own on the hot path: each rank's findings ride in the
+step's first all-to-all as ``FLAG_ELEMENTS`` numbers per peer (``flag_values`` and
+``nonfinite_indicator``), and one read of their maximum over the ranks tells every rank the same
+``Verdict``: go on, skip the step, rebuild the plan (every rank's gradients or group options
+changed in the same way), or explain. Only to explain does a second collective share each
+rank's per-parameter findings (``explain``), so that every rank raises the same error naming
+parameters and ranks.
+
+Flags, per rank: [invalid, non-finite, d0..d3, -d0..-d3] where invalid is 1 for a sparse or
+misshapen gradient or a parameter whose layout changed, non-finite is 0 or NaN (NaN survives
+the maximum), and d0..d3 are the bytes of a digest of which parameters have gradients and the
+Muon groups' structural options: the maximum of d and of -d agree only if every rank sent the
+same d. Small integers and NaN are exact in every float dtype the exchange may use.
 """
 
 from __future__ import annotations
 
+import enum
 import zlib
 from collections.abc import Collection
 
@@ -18,6 +26,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_fsdp import comm
+from dmuon_fsdp.layouts import local_shard
+from dmuon_fsdp.planner import Plan
+from dmuon_fsdp.schedule import FLAG_ELEMENTS
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
@@ -39,8 +50,66 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient holds inf or NaN (with ``nonfinite="raise"``)."""
 
 
-def _codes(params: list[Tensor], relayouted: Collection[Tensor], nonfinite: str) -> list[int]:
-    """This rank's findings, one bit set per parameter."""
+class Verdict(enum.Enum):
+    GO = "go"
+    SKIP = "skip"  # a non-finite gradient somewhere, nonfinite="skip"
+    REBUILD = "rebuild"  # every rank's key changed the same way: build the new plan, run again
+    EXPLAIN = "explain"  # something is wrong: every rank calls ``explain`` and raises
+
+
+def digest(key: object) -> int:
+    """32-bit checksum of a step key (has-gradient bits and group options), the same on every rank."""
+    return zlib.crc32(repr(key).encode())
+
+
+def flag_values(invalid: bool, key_digest: int) -> list[float]:
+    """This rank's flags, with 0 in the non-finite slot (``nonfinite_indicator`` fills it)."""
+    digits = [(key_digest >> (8 * i)) & 255 for i in range(4)]
+    values = [float(invalid), 0.0] + [float(d) for d in digits] + [-float(d) for d in digits]
+    assert len(values) == FLAG_ELEMENTS
+    return values
+
+
+def nonfinite_indicator(grads: list[Tensor], device: torch.device) -> Tensor:
+    """A 0-d tensor: 0 when every gradient is finite, NaN otherwise; no host read."""
+    if not grads:
+        return torch.zeros((), device=device)
+    total = torch.stack(torch._foreach_norm(grads)).sum()
+    return total - total  # inf - inf and nan - nan are NaN
+
+
+def decide(summary: list[float], key_digest: int, nonfinite: str, check_grads: bool) -> Verdict:
+    """The verdict from the element-wise maximum of every rank's flags (the same everywhere)."""
+    high, low = summary[2:6], [-v for v in summary[6:10]]
+    if summary[0] > 0 or (check_grads and high != low):
+        return Verdict.EXPLAIN
+    if check_grads and sum(int(d) << (8 * i) for i, d in enumerate(high)) != key_digest:
+        return Verdict.REBUILD
+    if summary[1] != summary[1]:  # NaN: some rank has a non-finite gradient
+        return {"raise": Verdict.EXPLAIN, "skip": Verdict.SKIP}.get(nonfinite, Verdict.GO)
+    return Verdict.GO
+
+
+def agree_on_plan(trouble: bool, key_digest: int, plan: Plan, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """When a plan is (re)built: one ``all_reduce`` telling every rank whether any rank found
+    ``trouble`` or a different step key (then every rank should ``explain``). Raises ValueError
+    on every rank when the ranks built different plans from the same key."""
+    signature = plan.signature()
+    values = [int(trouble), key_digest, -key_digest, signature, -signature]
+    agreed = comm.all_max(torch.tensor(values, dtype=torch.int64, device=device), group).tolist()
+    if agreed[0] or agreed[1] != -agreed[2]:
+        return True
+    if agreed[3] != -agreed[4]:
+        raise ValueError(
+            f"the {plan.world_size} ranks exchanging Muon matrices built different plans: their Muon "
+            "parameters (shapes, placements or group options) differ. Plain tensors under a "
+            "process group are treated as replicated on every rank (DDP)"
+        )
+    return False
+
+
+def gradient_codes(params: list[Tensor], relayouted: Collection[Tensor], nonfinite: str) -> list[int]:
+    """This rank's findings, one bit set per parameter (a rare path: reads every gradient)."""
     codes = []
     for p in params:
         code = RELAYOUT if p in relayouted else 0
@@ -48,49 +117,33 @@ def _codes(params: list[Tensor], relayouted: Collection[Tensor], nonfinite: str)
             code |= HAS_GRAD
             if p.grad.layout != torch.strided:
                 code |= SPARSE
-            elif comm.local_shard(p.grad).shape != comm.local_shard(p).shape:
+            elif local_shard(p.grad).shape != local_shard(p).shape:
                 code |= MISSHAPEN
         codes.append(code)
     if nonfinite != "ignore" and not any(code & INVALID_BITS for code in codes):
         checked = [i for i, code in enumerate(codes) if code & HAS_GRAD]
         if checked:
-            norms = torch._foreach_norm([comm.local_shard(params[i].grad) for i in checked])
+            norms = torch._foreach_norm([local_shard(params[i].grad) for i in checked])
             for i, bad in zip(checked, (~torch.stack(norms).isfinite()).tolist()):
                 codes[i] |= NONFINITE if bad else 0
     return codes
 
 
-def check_gradients(
+def explain(
     params: list[Tensor],
     names: dict[Tensor, str],
     group: dist.ProcessGroup | None,
     nonfinite: str,
-    verify_agreement: bool,
     relayouted: Collection[Tensor] = (),
-) -> bool:
-    """Validate this step's gradients on every rank; False means skip the step everywhere.
-
-    Raises, on every rank alike, ValueError for sparse or misshapen gradients and for parameters
-    in ``relayouted``, GradientMismatchError when ranks disagree on which parameters have
-    gradients, and NonFiniteGradientError for inf/NaN when ``nonfinite == "raise"``.
-    """
-    codes = _codes(params, relayouted, nonfinite)
-    invalid = any(code & INVALID_BITS for code in codes)
-    bad = any(code & NONFINITE for code in codes)
-    if group is None or (not verify_agreement and nonfinite == "ignore"):
-        # Nothing to agree on (with both checks off, a local error may leave other ranks waiting).
-        return _verdict([codes], params, names, nonfinite)
-    digest = zlib.crc32(bytes(code & HAS_GRAD for code in codes)) if verify_agreement else 0
+) -> None:
+    """Share every rank's per-parameter findings (one ``all_reduce``) and raise, on every rank
+    alike: ValueError for sparse or misshapen gradients and relayouted parameters,
+    GradientMismatchError when ranks disagree on which parameters have gradients,
+    NonFiniteGradientError for inf/NaN unless ``nonfinite`` is "skip" or "ignore". Returns when
+    there is nothing of these to report."""
+    codes = gradient_codes(params, relayouted, nonfinite)
     device = params[0].device if params else torch.device("cpu")
-    flags = comm.all_max(torch.tensor([int(invalid), int(bad), digest, -digest], device=device), group).tolist()
-    if not (flags[0] or flags[1] or flags[2] != -flags[3]):
-        return True
-    table = comm.all_rows(torch.tensor(codes, dtype=torch.int32, device=device), group).tolist()
-    return _verdict(table, params, names, nonfinite)
-
-
-def _verdict(table: list[list[int]], params: list[Tensor], names: dict[Tensor, str], nonfinite: str) -> bool:
-    """Raise or decide from every rank's codes (``table[rank][param]``)."""
+    table = [codes] if group is None else comm.all_rows(torch.tensor(codes, dtype=torch.int32, device=device), group).tolist()
     prefix = (lambda rank: f"rank {rank}: ") if len(table) > 1 else (lambda rank: "")
     invalid = [f"{prefix(r)}{names[params[i]]}{reason}" for r, row in enumerate(table)
                for i, code in enumerate(row) for bit, reason in INVALID.items() if code & bit]  # fmt: skip
@@ -111,4 +164,3 @@ def _verdict(table: list[list[int]], params: list[Tensor], names: dict[Tensor, s
     bad = [f"{names[params[i]]} (rank {r})" for r, row in enumerate(table) for i, code in enumerate(row) if code & NONFINITE]
     if bad and nonfinite == "raise":
         raise NonFiniteGradientError(f"non-finite gradient in {', '.join(bad)}; pass nonfinite='skip' to skip such steps")
-    return not (bad and nonfinite == "skip")

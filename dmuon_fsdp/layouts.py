@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
 
@@ -23,9 +24,101 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from dmuon_fsdp.planner import EMPTY, MatrixLayout, Piece
+from dmuon_fsdp.newton_schulz import newton_schulz_flops
+
+@dataclass(frozen=True)
+class Piece:
+    """A rank's rectangle of a matrix: rows [row, row + rows) x columns [col, col + cols), whose
+    first row is row ``local_row`` of the rank's local shard viewed as (-1, cols)."""
+
+    row: int = 0
+    rows: int = 0
+    col: int = 0
+    cols: int = 0
+    local_row: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+EMPTY = Piece()
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """One Muon matrix: its global (rows, cols) and the piece of it each exchange rank holds.
+
+    ``replicas[r]`` tells copies apart: ranks with the same replica index hold disjoint pieces
+    that tile the matrix once (None: a single copy, all ranks index 0). HSDP replica groups, a
+    tensor-parallel dimension a weight is replicated on, and DDP ranks (each its own replica)
+    are all described this way.
+    """
+
+    name: str
+    rows: int
+    cols: int
+    pieces: tuple[Piece, ...]
+    ns_steps: int
+    replicas: tuple[int, ...] | None = None
+
+    @classmethod
+    def row_sharded(cls, name: str, rows: int, cols: int, row_counts: Sequence[int], ns_steps: int) -> MatrixLayout:
+        """A matrix cut into consecutive row blocks, ``row_counts[r]`` rows on rank r (FSDP2)."""
+        pieces, start = [], 0
+        for count in row_counts:
+            pieces.append(Piece(start, count, 0, cols) if count and cols else EMPTY)
+            start += count
+        return cls(name, rows, cols, tuple(pieces), ns_steps)
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def cost(self) -> int:
+        return newton_schulz_flops(self.rows, self.cols, self.ns_steps)
+
+    def replica(self, rank: int) -> int:
+        return self.replicas[rank] if self.replicas else 0
+
+    def senders(self, owner: int) -> list[int]:
+        """Ranks that send their pieces to ``owner``: one copy of each, from owner's replica."""
+        mine = self.replica(owner)
+        return [r for r, piece in enumerate(self.pieces) if piece.numel and self.replica(r) == mine]
+
+    @property
+    def full_holders(self) -> tuple[int, ...]:
+        """Ranks holding the whole matrix: an owner among them needs nothing sent to it."""
+        return tuple(r for r, piece in enumerate(self.pieces) if self.numel and piece.numel == self.numel)
+
+
+def replicated(layout: MatrixLayout, copies: int) -> MatrixLayout:
+    """``layout`` held by ``copies`` replica groups, replica index outermost in rank order (HSDP
+    on a (copies, shards) mesh); for simulations and tests."""
+    shards = len(layout.pieces)
+    replicas = tuple(r for r in range(copies) for _ in range(shards))
+    return MatrixLayout(layout.name, layout.rows, layout.cols, layout.pieces * copies, layout.ns_steps, replicas)
+
+
+def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
+    """Rows per rank under ``torch.chunk`` semantics, as FSDP2 shards dim 0.
+
+    Chunks of ceil(rows / W) rows; the remainder goes to the earlier ranks, and the last ranks
+    may hold none: 5 rows over 4 ranks -> (2, 2, 1, 0).
+    """
+    size = -(-rows // world_size) if rows else 0
+    return tuple(max(0, min(size, rows - r * size)) for r in range(world_size))
+
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, local shape) of one rank's block
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (in-place ops on it update the DTensor), or a plain tensor
+    itself. Reads the local tensor directly: ``to_local()`` on a parameter returns a new view
+    per call, one aten op per parameter on every step."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def mesh_dims_in(mesh: DeviceMesh, sub: DeviceMesh) -> list[int] | None:

@@ -8,8 +8,8 @@ normalisation that puts every singular value in [0, 1].
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -98,8 +98,54 @@ def _is_triple(t: object) -> bool:
 
 
 def default_ns_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where matmuls are fast in it (CUDA), fp32 elsewhere (bf16 is ~40x slower on CPUs)."""
+    """bf16 on CUDA, fp32 elsewhere. CPU matmul speed in bf16 depends on the CPU: with
+    AVX512-BF16 or AMX it can beat fp32 (212 vs 90 GFLOP/s measured on one such core), without
+    them it is many times slower; measure before passing ``ns_dtype=torch.bfloat16`` on a CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Scratch for ``orthogonalize_`` on a (B, s, l) stack: the other iterate ``y`` and the s x s
+    products. Several stacks may share one (views of the same buffers) when they never run at
+    the same time."""
+
+    y: Tensor
+    gram: Tensor
+    poly: Tensor
+
+    @classmethod
+    def for_stack(cls, stack: Tensor, flat: tuple[Tensor, Tensor, Tensor] | None = None) -> Workspace:
+        """Views of ``flat`` (three 1-D buffers, large enough) or new tensors, shaped for ``stack``."""
+        b, s, l = stack.shape
+        shapes = ((b, s, l), (b, s, s), (b, s, s))
+        if flat is None:
+            return cls(*(stack.new_empty(shape) for shape in shapes))
+        return cls(*(buf[: math.prod(shape)].view(shape) for buf, shape in zip(flat, shapes)))
+
+
+def orthogonalize_(x: Tensor, coefficients: Sequence[Coefficients], eps: float, work: Workspace) -> Tensor:
+    """Newton-Schulz in place on a stack ``x`` of shape (B, s, l), s <= l, in its own dtype.
+
+    Each matrix is divided by max(its Frobenius norm, eps), then each (a, b, c) runs
+    X <- a X + (b A + c A^2) X with A = X X^T. Iterates alternate between ``x`` and ``work.y``
+    (the normalisation writes to ``y`` when the iteration count is odd) so that the result
+    lands in ``x``; nothing is allocated but the norms.
+    """
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps)
+    here, there = (x, x.mT), (work.y, work.y.mT)
+    if len(coefficients) % 2:
+        torch.div(x, norm, out=work.y)
+        here, there = there, here
+    else:
+        x.div_(norm)
+    for a, b, c in coefficients:
+        src, src_t = here
+        torch.bmm(src, src_t, out=work.gram)
+        torch.baddbmm(work.gram, work.gram, work.gram, beta=b, alpha=c, out=work.poly)
+        torch.baddbmm(src, work.poly, src, beta=a, out=there[0])
+        here, there = there, here
+    return x
 
 
 def newton_schulz(
@@ -110,41 +156,15 @@ def newton_schulz(
     Tall matrices are transposed so the Gram matrix is the smaller side; each matrix is divided
     by max(its Frobenius norm, eps). Returns a new tensor of the input's shape in ``dtype``.
     """
-    x = matrices.to(dtype)
+    x = matrices.unsqueeze(0) if matrices.ndim == 2 else matrices
     tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = x.mT
-    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min(eps)
-    squeeze = x.ndim == 2
-    if squeeze:
-        x = x.unsqueeze(0)
-    for a, b, c in coefficients:
-        gram = torch.bmm(x, x.mT)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
-    if squeeze:
-        x = x.squeeze(0)
-    return x.mT if tall else x
+    stack = (x.mT if tall else x).to(dtype, copy=True).contiguous()
+    orthogonalize_(stack, coefficients, eps, Workspace.for_stack(stack))
+    out = stack.mT if tall else stack
+    return out.squeeze(0) if matrices.ndim == 2 else out
 
 
 def newton_schulz_flops(rows: int, cols: int, ns_steps: int) -> int:
     """Multiply-add flops of ``newton_schulz`` on one rows x cols matrix."""
     s, l = min(rows, cols), max(rows, cols)
     return ns_steps * (4 * s * s * l + 2 * s * s * s)
-
-
-def orthogonalize_all(
-    matrices: dict[int, Tensor],
-    settings: Callable[[int], tuple[tuple[Coefficients, ...], float]],
-    dtype: torch.dtype,
-) -> dict[int, Tensor]:
-    """Orthogonalize every matrix, one batched ``newton_schulz`` per (shape, coefficients, eps);
-    ``settings(j)`` gives matrix j's per-iteration coefficients and eps."""
-    batches: dict[tuple, list[int]] = defaultdict(list)
-    for j, matrix in matrices.items():
-        batches[(tuple(matrix.shape), *settings(j))].append(j)
-    results: dict[int, Tensor] = {}
-    for (_, coefficients, eps), indices in batches.items():
-        out = newton_schulz(torch.stack([matrices[j] for j in indices]), coefficients, eps, dtype)
-        results.update(zip(indices, out.unbind(0)))
-    return results

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -11,27 +10,26 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from dmuon_fsdp import comm, elementwise, validation
-from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, check_gradients
-from dmuon_fsdp.comm import local_shard as _local
-from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype, orthogonalize_all, resolve_coefficients
-from dmuon_fsdp.layouts import describe_params
-from dmuon_fsdp.planner import Piece, Plan, build_plan
+from dmuon_fsdp import binding, comm, grad_checks, program, validation
+from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, Verdict
+from dmuon_fsdp.layouts import describe_params, local_shard
+from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
+from dmuon_fsdp.planner import Plan, build_plan
+from dmuon_fsdp.schedule import rank_schedule
 from dmuon_fsdp.stats import StepStats
 
-_OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases", "nonfinite", "check_grads")
+# Muon group options compiled into the step program: changing one rebuilds it.
+_STRUCTURAL = ("ns_steps", "ns_coefficients", "eps", "adjust_lr_fn", "flatten", "split_sizes", "num_heads")
+_COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
-    """The Muon step size for a rows x cols matrix, as in ``torch.optim.Muon``."""
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1.0, rows / cols))
-    return lr * 0.2 * math.sqrt(max(rows, cols))
+def _frozen(value: Any) -> Any:
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
-def _piece_of(local: Tensor, piece: Piece) -> Tensor:
-    """This rank's piece of a matrix inside its local shard (a view: in-place ops update it)."""
-    return local.view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
+def _wait(handle: comm.Handle | None) -> None:
+    if handle is not None:
+        handle.wait()
 
 
 class DMuonFSDP(Optimizer):
@@ -45,7 +43,8 @@ class DMuonFSDP(Optimizer):
     - ``ns_coefficients``: one (a, b, c) triple, a list of per-iteration triples (iterations past
       its end reuse the last), or a name: ``"muon"`` or ``"polar_express"``.
     - ``ns_dtype``: dtype of the Newton-Schulz matmuls; None = bf16 on CUDA, fp32 otherwise.
-    - ``comm_dtype``: dtype of the all-to-all buffers; None = ``ns_dtype``.
+    - ``comm_dtype``: dtype of the all-to-all buffers; None = ``ns_dtype``. A float dtype of at
+      least 16 bits (the step's check flags travel in it).
     - ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``: the AdamW settings of
       parameters routed to AdamW.
     - ``bucket_bytes``: bound on the full-matrix bytes exchanged per bucket; ``overlap``: launch
@@ -54,11 +53,13 @@ class DMuonFSDP(Optimizer):
       (NonFiniteGradientError naming the parameters and ranks, on every rank), ``"skip"`` (no
       parameter or state changes, on every rank; ``last_step_stats.skipped``) or ``"ignore"``.
     - ``check_grads``: verify each step that all ranks have gradients for the same parameters
-      (GradientMismatchError instead of a hang), and, when the plan is (re)built, that every
-      rank built the same plan (ValueError otherwise, e.g. plain tensors that differ by rank). Cost: one ``all_reduce`` of four integers per
-      step, shared with the ``nonfinite`` check; with ``check_grads=False, nonfinite="ignore"``
-      a step makes no collective besides the exchanges. The non-finite check also reads every
-      local gradient once (a ``_foreach_norm``).
+      and the same Muon group options (GradientMismatchError instead of a hang), and, when the
+      plan is (re)built, that every rank built the same plan (ValueError otherwise, e.g. plain
+      tensors that differ by rank; one ``all_reduce`` then). Cost per step: no collective of its
+      own. Each rank's findings (with the ``nonfinite`` check's) ride in the step's first
+      all-to-all, and one device-to-host read of their maximum over the ranks decides; with
+      ``check_grads=False, nonfinite="ignore"`` there is no read at all. The non-finite check
+      reads every local gradient once on the device (a ``_foreach_norm``).
     - ``time_phases``: record wall time per phase in ``last_step_stats`` (synchronizes the device
       at phase boundaries on accelerators; for benchmarks). NS flops and bytes on the wire are
       recorded in ``last_step_stats`` either way.
@@ -81,9 +82,17 @@ class DMuonFSDP(Optimizer):
     sends those to AdamW. Weights with ndim > 2 are orthogonalized as (dim0, -1) matrices and
     their lr scale uses that shape.
 
-    ``ns_dtype``, ``comm_dtype``, ``bucket_bytes``, ``overlap`` and ``time_phases`` are
-    optimizer-wide. State for
-    every parameter exists from construction; momentum buffers are placed like their parameters.
+    ``ns_dtype``, ``comm_dtype``, ``bucket_bytes``, ``overlap``, ``time_phases``, ``nonfinite``
+    and ``check_grads`` are optimizer-wide. State for every parameter exists from construction;
+    momentum buffers and AdamW moments are placed like their parameters, AdamW's ``step`` is a
+    plain tensor on the parameter's device (as for torch's fused AdamW).
+
+    The first ``step`` compiles a step program (``dmuon_fsdp.program``): the plan, every buffer and
+    every view a step needs. It is rebuilt when the set of parameters with gradients or a Muon
+    group's structural option (ns_steps, ns_coefficients, eps, adjust_lr_fn, flatten,
+    split_sizes, num_heads) changes, and rebound when a parameter's storage is replaced or
+    ``load_state_dict`` replaces the state; lr, momentum, nesterov, weight_decay and AdamW's
+    settings are read at every step. ``plan`` shows the plan in use.
     """
 
     def __init__(
@@ -114,21 +123,24 @@ class DMuonFSDP(Optimizer):
     ):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if comm_dtype is not None and comm_dtype not in _COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {_COMM_DTYPES} or None, got {comm_dtype}")
         self.ns_dtype, self.comm_dtype = ns_dtype, comm_dtype
         self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
         self.time_phases = bool(time_phases)
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite, self.check_grads = nonfinite, bool(check_grads)
-        self._exchange = comm.ExchangeGroup(None, 0, (0,))  # where Muon matrices move
-        self._mesh: Any = None  # the mesh they move over (None: plain tensors)
-        self._check_group: Any = None
         self.last_step_stats: StepStats | None = None
         self._names: dict[Tensor, str] = {}
         self._muon_meshes: dict[Any, str] = {}
-        self._plan_key: tuple | None = None
-        self._plan: Plan | None = None
-        self._shard_exchange: comm.ShardExchange | None = None
+        self._mesh: Any = None  # the mesh Muon matrices move over (None: plain tensors)
+        self._exchange: comm.ExchangeGroup | None = None  # its group, made at the first step
+        self._indexed: list[tuple[int, Tensor]] = []  # (group index, parameter), optimizer order
+        self._params: list[Tensor] = []  # the same parameters alone
+        self._program: program.StepProgram | None = None
+        self._rebind = False  # state tensors were replaced: make the program's views anew
+        self._flags_dirty = False  # the first exchange holds another step's abnormal flags
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
@@ -138,73 +150,56 @@ class DMuonFSDP(Optimizer):
         )  # fmt: skip
         super().__init__(params, defaults)
 
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the last step: owners, buckets and every rank's piece of every matrix
+        (None before the first step)."""
+        return self._program.plan if self._program is not None else None
+
+    @property
+    def exchange_mesh(self) -> Any:
+        """The mesh Muon matrices move over: the widest their parameters live on (None: plain tensors)."""
+        return self._mesh
+
+    @property
+    def exchange_rank(self) -> int:
+        """This rank's index in ``plan`` (its row-major coordinate on the exchange mesh)."""
+        return self._exchange_group().rank
+
     # ---- construction -------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group, routing its parameters to Muon or AdamW (see the class docstring).
 
-        Everything is validated before anything is registered, so a rejected group leaves the
-        optimizer as it was.
+        Everything is validated, and torch's own checks run, before anything is registered, so a
+        rejected group leaves the optimizer as it was.
         """
-        group = dict(param_group)
-        for key in _OPTIMIZER_WIDE:
-            if key in group:
-                raise ValueError(f"{key} is optimizer-wide and cannot be set per param group")
-        params = group.pop("params")
-        params = [params] if isinstance(params, Tensor) else list(params)
-        use_muon = group.pop("use_muon", None)
-        if use_muon not in (None, True, False):
-            raise ValueError(f"use_muon must be True, False or unset, got {use_muon!r}")
-        index = sum(len(g["params"]) for g in self.param_groups)
-        names: dict[Tensor, str] = {}
-        muon, adamw = [], []
-        for i, item in enumerate(params):
-            name, p = item if isinstance(item, tuple) else (f"parameter {index + i}", item)
-            if not isinstance(p, Tensor):
-                raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
-            if not isinstance(item, tuple):
-                name = f"{name} (shape {tuple(p.shape)})"
-            if p in self._names or p in names:
-                first = self._names.get(p, names.get(p))
-                raise ValueError(f"{name} is passed to the optimizer twice (first as {first})")
-            route_to_muon = p.ndim >= 2 if use_muon is None else use_muon
-            if route_to_muon and p.ndim < 2:
-                raise ValueError(
-                    f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon "
-                    "needs a matrix (ndim >= 2)"
-                )
-            if p.is_complex():
-                raise ValueError(f"{name}: complex parameters are not supported")
-            names[p] = name
-            (muon if route_to_muon else adamw).append(item)
-        new_groups = []
-        if muon or not adamw:
-            new_groups.append({**group, "params": muon, "use_muon": True})
-        if adamw:
-            adamw_group = {**group, "params": adamw, "use_muon": False}
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                if not (use_muon is False and key in group):
-                    adamw_group[key] = group.get(f"adamw_{key}", self.defaults[f"adamw_{key}"])
-            new_groups.append(adamw_group)
+        new_groups, names = validation.split_group(param_group, len(self._indexed), self._names, self.defaults)
         meshes = validation.check_new_groups(new_groups, names, self.defaults, self._muon_meshes)
+        count = len(self.param_groups)
+        try:  # torch's checks (e.g. names on every group or none) come last: undo on failure
+            for new in new_groups:
+                super().add_param_group(new)
+        except Exception:
+            del self.param_groups[count:]
+            raise
         if meshes != self._muon_meshes:
-            self._mesh = validation.exchange_mesh(meshes)
-            self._exchange = comm.exchange_group(self._mesh)
-            self._check_group = self._exchange.group
+            self._mesh, self._exchange = validation.exchange_mesh(meshes), None
         self._muon_meshes = meshes
         self._names.update(names)
-        for new in new_groups:
-            super().add_param_group(new)
-            self._init_state(self.param_groups[-1])
+        for g in range(count, len(self.param_groups)):
+            for p in self.param_groups[g]["params"]:
+                self._indexed.append((g, p))
+                self._params.append(p)
+                self._init_state(p, self.param_groups[g]["use_muon"])
+        self._program = None
 
-    def _init_state(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            if self._check_group is None and (isinstance(p, DTensor) or comm.default_world_size() > 1):
-                self._check_group = comm.exchange_group(p.device_mesh if isinstance(p, DTensor) else None).group
-            zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group["use_muon"]:
-                self.state[p]["momentum_buffer"] = zeros
-            else:
-                self.state[p].update(step=torch.tensor(0.0), exp_avg=zeros, exp_avg_sq=torch.zeros_like(zeros))
+    def _init_state(self, p: Tensor, use_muon: bool) -> None:
+        zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if use_muon:
+            self.state[p]["momentum_buffer"] = zeros
+        else:  # step on the parameter's device, where fused AdamW reads it
+            step = torch.zeros((), dtype=torch.float32, device=p.device)
+            self.state[p].update(step=step, exp_avg=zeros, exp_avg_sq=torch.zeros_like(zeros))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict after checking it matches this optimizer parameter by parameter."""
@@ -220,6 +215,11 @@ class DMuonFSDP(Optimizer):
             for key, p in zip(saved["params"], group["params"]):
                 validation.check_saved_state(self._names[p], p, self.state[p], saved_state.get(key, {}))
         super().load_state_dict(state_dict)
+        for _, p in self._indexed:
+            state = self.state[p]
+            if "step" in state:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+        self._rebind = True
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
@@ -229,128 +229,184 @@ class DMuonFSDP(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params = [p for g in self.param_groups for p in g["params"]]
-        device = params[0].device if params else torch.device("cpu")
-        stats = StepStats(device, timed=self.time_phases)
-        self.last_step_stats = stats
-        if not check_gradients(params, self._names, self._check_group, self.nonfinite, self.check_grads,
-                               self._relayouted()):  # fmt: skip
-            stats.skipped = True
-            return loss
-        entries: list[tuple[dict[str, Any], Tensor, Tensor]] = []
-        with stats.phase("elementwise"):
-            for group in self.param_groups:
-                with_grad = [p for p in group["params"] if p.grad is not None]
-                if not with_grad:
-                    continue
-                grads = [_local(p.grad) for p in with_grad]
-                if group["use_muon"]:
-                    buffers = [_local(self.state[p]["momentum_buffer"]) for p in with_grad]
-                    updates = elementwise.muon_momentum(grads, buffers, group["momentum"], group["nesterov"])
-                    entries.extend((group, p, u) for p, u in zip(with_grad, updates))
-                else:
-                    states = [self.state[p] for p in with_grad]
-                    elementwise.adamw(
-                        [_local(p) for p in with_grad], grads,
-                        [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
-                        [s["step"] for s in states], lr=float(group["lr"]), betas=group["betas"],
-                        eps=group["eps"], weight_decay=group["weight_decay"],
-                    )  # fmt: skip
-        if entries:
-            self._muon_update(entries, stats)
+        if self._run() is Verdict.REBUILD:  # every rank's gradients or options changed alike
+            self._program = None
+            self._run()
         return loss
+
+    def _run(self) -> Verdict:
+        """One step of the current program: momentum -> send -> checks -> NS -> return -> apply."""
+        groups = self.param_groups
+        grads = [p.grad for p in self._params]
+        key = self._key(grads)
+        prog, usable = self._program_for(key)
+        stats = self.last_step_stats = StepStats(self._device(), timed=self.time_phases, **prog.counts)
+        local = prog.local_grads(grads) if usable and key == prog.key else None
+        with stats.phase("momentum"):
+            if local is not None:
+                prog.momentum(local, groups)  # into send buffers and local stacks; state untouched
+            indicator = self._write_flags(prog, key, local)
+        first = prog.buckets[0]
+        gathers = {0: self._launch(first.gather)}
+        if self.overlap and len(prog.buckets) > 1:
+            gathers[1] = self._launch(prog.buckets[1].gather)
+        verdict, shared = self._verdict(prog, local, indicator, gathers[0], stats)
+        if verdict is not Verdict.GO:
+            for handle in gathers.values():
+                _wait(handle)
+            if verdict is Verdict.EXPLAIN:
+                self._explain(shared)
+            stats.skipped = verdict is Verdict.SKIP
+            return verdict
+        with stats.phase("momentum"):
+            prog.commit(local, groups)
+        with stats.phase("adamw"):
+            prog.adamw_step(local, groups)
+        returns = []
+        for k, bucket in enumerate(prog.buckets):
+            ahead = k + 1 if self.overlap else k  # with overlap, bucket k+1 travels during NS of k
+            if ahead < len(prog.buckets) and ahead not in gathers:
+                gathers[ahead] = self._launch(prog.buckets[ahead].gather)
+            with stats.phase("wait"):
+                _wait(gathers.pop(k))
+            with stats.phase("pack"):
+                bucket.assemble.run()
+            with stats.phase("newton_schulz"):
+                for batch in bucket.batches:
+                    batch.orthogonalize()
+            with stats.phase("pack"):
+                bucket.results.run()
+            returns.append(self._launch(bucket.scatter))
+            if not self.overlap:
+                with stats.phase("wait"):
+                    _wait(returns.pop())
+                with stats.phase("apply"):
+                    program.apply(bucket.updates, groups)
+        if self.overlap:
+            with stats.phase("wait"):
+                for handle in returns:
+                    _wait(handle)
+            with stats.phase("apply"):
+                program.apply(prog.all_updates, groups)
+        return Verdict.GO
+
+    def _key(self, grads: list[Tensor | None]) -> tuple:
+        """What the program is compiled for: which parameters have gradients, Muon options."""
+        options = tuple(tuple(_frozen(g[k]) for k in _STRUCTURAL) for g in self.param_groups if g["use_muon"])
+        return tuple(g is not None for g in grads), options
+
+    def _program_for(self, key: tuple) -> tuple[program.StepProgram, bool]:
+        """The program for this step, and whether its views still point at the parameters.
+
+        With agreement (``check_grads`` over several ranks) a changed key does not rebuild here:
+        the step runs the old program, its flags tell every rank, and all rebuild together.
+        """
+        prog = self._program
+        agreeing = self.check_grads and prog is not None and prog.flags is not None
+        if prog is None or (key != prog.key and not agreeing):
+            prog = self._program = self._build(key)
+        if self._rebind or prog.moved(self._params):
+            if self._relayouted():  # state no longer fits: the step reports it (invalid flag)
+                return prog, False
+            prog = self._program = self._bind(prog.plan, prog.schedule, prog.key)
+            self._rebind = False
+        return prog, True
+
+    def _build(self, key: tuple) -> program.StepProgram:
+        """A new plan for ``key`` (with plan agreement over the ranks when ``check_grads``)."""
+        exchange, device = self._exchange_group(), self._device()
+        muon = [(e.param, self._names[e.param], self.param_groups[e.group]) for e in self._entries(key)
+                if self.param_groups[e.group]["use_muon"]]  # fmt: skip
+        layouts, param_of = describe_params(muon, comm.default_world_size(), self._mesh)
+        size = self._comm_dtype(device).itemsize
+        plan = build_plan(layouts, len(exchange.peers), self.bucket_bytes, size, param_of)
+        trouble = bool(self._relayouted())
+        shared = self.check_grads and exchange.group is not None
+        if shared:
+            trouble = grad_checks.agree_on_plan(trouble, grad_checks.digest(key), plan, exchange.group, device)
+        if trouble:
+            self._explain(shared)
+        return self._bind(plan, rank_schedule(plan, exchange.rank, exchange.peers), key)
+
+    def _bind(self, plan: Plan, schedule: Any, key: tuple) -> program.StepProgram:
+        device = self._device()
+        digest = grad_checks.digest(key)
+        self._flags_dirty = False
+        return binding.build_program(
+            plan, schedule, self._entries(key), self.param_groups, self.state, key=key, digest=digest,
+            flag_values=grad_checks.flag_values(False, digest), ns_dtype=self._ns_dtype(device),
+            comm_dtype=self._comm_dtype(device), device=device,
+        )  # fmt: skip
+
+    def _entries(self, key: tuple) -> list[program.Entry]:
+        return [program.Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(self._indexed, key[0])) if has]
+
+    def _write_flags(self, prog: program.StepProgram, key: tuple, local: list[Tensor] | None) -> Tensor | None:
+        """This rank's findings into the first exchange (device ops only); returns the non-finite
+        indicator when it is checked."""
+        indicator = None
+        if self.nonfinite != "ignore" and local is not None:
+            indicator = grad_checks.nonfinite_indicator(local, self._device())
+        if prog.flags is None:
+            return indicator
+        values = None
+        if local is None or key != prog.key:  # tell every rank what differs here
+            found = grad_checks.flag_values(key == prog.key, grad_checks.digest(key))
+            values = torch.tensor(found, dtype=prog.flags.values.dtype, device=prog.flags.values.device)
+        elif self._flags_dirty:  # an earlier step's findings are still in the buffer
+            values = prog.flags.values
+        self._flags_dirty = values is not None and values is not prog.flags.values
+        prog.write_flags(values, indicator)
+        return indicator
+
+    def _verdict(self, prog, local, indicator, first, stats) -> tuple[Verdict, bool]:
+        """The step's verdict, the same on every rank, and whether it was shared over the ranks.
+        At most one device-to-host read: the maximum of every rank's flags, or the local ones."""
+        shared = prog.flags is not None and (self.check_grads or self.nonfinite != "ignore")
+        if shared:
+            with stats.phase("wait"):
+                summary = prog.flag_summary(first.wait())
+        else:
+            summary = grad_checks.flag_values(local is None, prog.digest)
+            if indicator is not None:
+                summary[1] = indicator.item()
+        return grad_checks.decide(summary, prog.digest, self.nonfinite, self.check_grads), shared
+
+    def _explain(self, shared: bool) -> None:
+        """Raise the error every rank agrees on (a second collective when ``shared``)."""
+        group = self._exchange_group().group if shared else None
+        grad_checks.explain(self._params, self._names, group, self.nonfinite, self._relayouted())
+        raise ValueError(
+            "ranks disagree on the Muon param groups' options ("
+            + ", ".join(_STRUCTURAL)
+            + "): every rank must pass the same"
+        )
 
     def _relayouted(self) -> set[Tensor]:
         """Parameters whose local shard no longer matches their state (resharded or resized)."""
-        return {
-            p
-            for group in self.param_groups
-            for p in group["params"]
-            if any(key != "step" and _local(v).shape != _local(p).shape for key, v in self.state[p].items())
-        }
+        return {p for p in self._params
+                if any(key != "step" and local_shard(v).shape != local_shard(p).shape for key, v in self.state[p].items())}  # fmt: skip
 
-    def plan_for(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]]) -> Plan:
-        """The (cached) plan for these Muon parameters; rebuilt when their set or layout changes."""
-        key = tuple(
-            (id(p), p.shape, _local(p).shape, getattr(p, "placements", None), getattr(p, "device_mesh", None),
-             g["ns_steps"], g["flatten"], tuple(g["split_sizes"] or ()), g["num_heads"])
-            for g, p, _ in entries
-        ) + (id(self._mesh),)  # fmt: skip
-        if self._plan is None or key != self._plan_key:
-            world = comm.default_world_size()
-            layouts, param_of = describe_params([(p, self._names[p], g) for g, p, _ in entries], world, self._mesh)
-            device = entries[0][1].device
-            size = torch.empty((), dtype=self._comm_dtype(device)).element_size()
-            plan = build_plan(layouts, len(layouts[0].pieces), self.bucket_bytes, size, param_of)
-            if self.check_grads and not comm.all_agree(plan.signature(), self._exchange.group, device):
-                raise ValueError(
-                    f"the {plan.world_size} ranks exchanging Muon matrices built different plans: their Muon "
-                    "parameters (shapes, placements or group options) differ. Plain tensors under a "
-                    "process group are treated as replicated on every rank (DDP)"
-                )
-            self._plan, self._plan_key, self._shard_exchange = plan, key, None
-        return self._plan
+    def _launch(self, exchange: program.Exchange | None) -> comm.Handle | None:
+        if exchange is None:
+            return None
+        group = self._exchange_group().group
+        return comm.launch(exchange.send, exchange.receive, exchange.send_counts, exchange.receive_counts, group)
+
+    def _exchange_group(self) -> comm.ExchangeGroup:
+        """The group over the exchange mesh (without Muon parameters: the first DTensor's mesh)."""
+        if self._exchange is None:
+            mesh = self._mesh
+            if not self._muon_meshes:
+                mesh = next((p.device_mesh for _, p in self._indexed if isinstance(p, DTensor)), None)
+            self._exchange = comm.exchange_group(mesh)
+        return self._exchange
+
+    def _device(self) -> torch.device:
+        return self._indexed[0][1].device if self._indexed else torch.device("cpu")
 
     def _ns_dtype(self, device: torch.device) -> torch.dtype:
         return self.ns_dtype or default_ns_dtype(device)
 
     def _comm_dtype(self, device: torch.device) -> torch.dtype:
         return self.comm_dtype or self._ns_dtype(device)
-
-    def _muon_update(self, entries: list[tuple[dict[str, Any], Tensor, Tensor]], stats: StepStats) -> None:
-        plan = self.plan_for(entries)
-        device = entries[0][2].device
-        rank = self._exchange.rank
-        if self._shard_exchange is None:
-            self._shard_exchange = comm.ShardExchange(plan, self._exchange, self._comm_dtype(device))
-        local_pieces = {
-            j: _piece_of(entries[plan.param_of[j]][2], m.pieces[rank])
-            for j, m in enumerate(plan.matrices)
-            if m.pieces[rank].numel
-        }
-
-        def orthogonalize(full: dict[int, Tensor]) -> dict[int, Tensor]:
-            stats.ns_flops += sum(plan.matrices[j].cost for j in full)
-            with stats.phase("newton_schulz"):
-                return self._orthogonalize(full, entries, plan, device)
-
-        def apply(blocks: dict[int, Tensor]) -> None:
-            with stats.phase("apply"):
-                self._apply(blocks, entries, plan, rank)
-
-        self._shard_exchange.run(local_pieces, device, orthogonalize, apply, self.overlap, stats)
-
-    def _orthogonalize(
-        self, full: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], plan: Plan, device
-    ) -> dict[int, Tensor]:
-        """Batched Newton-Schulz over one bucket's owned matrices (called once per bucket)."""
-
-        def settings(j: int) -> tuple:
-            group = entries[plan.param_of[j]][0]
-            return resolve_coefficients(group["ns_coefficients"], group["ns_steps"]), group["eps"]
-
-        return orthogonalize_all(full, settings, self._ns_dtype(device))
-
-    def _apply(
-        self, blocks: dict[int, Tensor], entries: list[tuple[dict[str, Any], Tensor, Tensor]], plan: Plan, rank: int
-    ) -> None:
-        """Weight decay and the scaled update on this rank's piece of each matrix: one foreach
-        multiply for the decays and one foreach add per distinct step size."""
-        decayed, decays = [], []
-        by_step: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-        for j, block in blocks.items():
-            group, p, _ = entries[plan.param_of[j]]
-            m = plan.matrices[j]
-            piece = m.pieces[rank]
-            lr = float(group["lr"])
-            target = _piece_of(_local(p), piece)
-            if group["weight_decay"]:
-                decayed.append(target)
-                decays.append(1.0 - lr * group["weight_decay"])
-            targets, updates = by_step.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols), ([], []))
-            targets.append(target)
-            updates.append(block)
-        if decayed:
-            torch._foreach_mul_(decayed, decays)
-        for step_size, (targets, updates) in by_step.items():
-            torch._foreach_add_(targets, updates, alpha=-step_size)

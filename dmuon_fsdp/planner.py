@@ -13,92 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from dmuon_fsdp.newton_schulz import newton_schulz_flops
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A rank's rectangle of a matrix: rows [row, row + rows) x columns [col, col + cols), whose
-    first row is row ``local_row`` of the rank's local shard viewed as (-1, cols)."""
-
-    row: int = 0
-    rows: int = 0
-    col: int = 0
-    cols: int = 0
-    local_row: int = 0
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-
-EMPTY = Piece()
-
-
-@dataclass(frozen=True)
-class MatrixLayout:
-    """One Muon matrix: its global (rows, cols) and the piece of it each exchange rank holds.
-
-    ``replicas[r]`` tells copies apart: ranks with the same replica index hold disjoint pieces
-    that tile the matrix once (None: a single copy, all ranks index 0). HSDP replica groups, a
-    tensor-parallel dimension a weight is replicated on, and DDP ranks (each its own replica)
-    are all described this way.
-    """
-
-    name: str
-    rows: int
-    cols: int
-    pieces: tuple[Piece, ...]
-    ns_steps: int
-    replicas: tuple[int, ...] | None = None
-
-    @classmethod
-    def row_sharded(cls, name: str, rows: int, cols: int, row_counts: Sequence[int], ns_steps: int) -> MatrixLayout:
-        """A matrix cut into consecutive row blocks, ``row_counts[r]`` rows on rank r (FSDP2)."""
-        pieces, start = [], 0
-        for count in row_counts:
-            pieces.append(Piece(start, count, 0, cols) if count and cols else EMPTY)
-            start += count
-        return cls(name, rows, cols, tuple(pieces), ns_steps)
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def cost(self) -> int:
-        return newton_schulz_flops(self.rows, self.cols, self.ns_steps)
-
-    def replica(self, rank: int) -> int:
-        return self.replicas[rank] if self.replicas else 0
-
-    def senders(self, owner: int) -> list[int]:
-        """Ranks that send their pieces to ``owner``: one copy of each, from owner's replica."""
-        mine = self.replica(owner)
-        return [r for r, piece in enumerate(self.pieces) if piece.numel and self.replica(r) == mine]
-
-    @property
-    def full_holders(self) -> tuple[int, ...]:
-        """Ranks holding the whole matrix: an owner among them needs nothing sent to it."""
-        return tuple(r for r, piece in enumerate(self.pieces) if self.numel and piece.numel == self.numel)
-
-
-def replicated(layout: MatrixLayout, copies: int) -> MatrixLayout:
-    """``layout`` held by ``copies`` replica groups, replica index outermost in rank order (HSDP
-    on a (copies, shards) mesh); for simulations and tests."""
-    shards = len(layout.pieces)
-    replicas = tuple(r for r in range(copies) for _ in range(shards))
-    return MatrixLayout(layout.name, layout.rows, layout.cols, layout.pieces * copies, layout.ns_steps, replicas)
-
-
-def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
-    """Rows per rank under ``torch.chunk`` semantics, as FSDP2 shards dim 0.
-
-    Chunks of ceil(rows / W) rows; the remainder goes to the earlier ranks, and the last ranks
-    may hold none: 5 rows over 4 ranks -> (2, 2, 1, 0).
-    """
-    size = -(-rows // world_size) if rows else 0
-    return tuple(max(0, min(size, rows - r * size)) for r in range(world_size))
+from dmuon_fsdp.layouts import MatrixLayout
 
 
 @dataclass(frozen=True)
@@ -115,8 +30,8 @@ class Plan:
 
     Forward exchange (gather): each sender of matrix j sends its piece to j's owner. Reverse
     exchange (scatter): the owner sends every rank that holds a piece of j that piece of the
-    result, replicas included. In both, a buffer holds per peer rank, in rank order, the pieces of
-    the bucket's matrices in bucket order.
+    result, replicas included. Ranks are numbered by exchange-mesh index; how the pieces sit in
+    the buffers of each all-to-all is ``dmuon_fsdp.schedule``'s business.
     """
 
     matrices: tuple[MatrixLayout, ...]
@@ -133,29 +48,6 @@ class Plan:
     def owned_by(self, bucket: Bucket, rank: int) -> list[int]:
         return [j for j in bucket.matrices if self.owners[j] == rank]
 
-    def gather_counts(self, bucket: Bucket, rank: int) -> tuple[list[int], list[int]]:
-        """(elements ``rank`` sends to, receives from) each rank in the forward exchange."""
-        send, receive = [0] * self.world_size, [0] * self.world_size
-        for j in bucket.matrices:
-            m = self.matrices[j]
-            if rank in self.senders[j]:
-                send[self.owners[j]] += m.pieces[rank].numel
-            if self.owners[j] == rank:
-                for src in self.senders[j]:
-                    receive[src] += m.pieces[src].numel
-        return send, receive
-
-    def scatter_counts(self, bucket: Bucket, rank: int) -> tuple[list[int], list[int]]:
-        """(elements ``rank`` sends to, receives from) each rank in the reverse exchange."""
-        send, receive = [0] * self.world_size, [0] * self.world_size
-        for j in bucket.matrices:
-            m = self.matrices[j]
-            receive[self.owners[j]] += m.pieces[rank].numel
-            if self.owners[j] == rank:
-                for dst, piece in enumerate(m.pieces):
-                    send[dst] += piece.numel
-        return send, receive
-
     def signature(self) -> int:
         """A checksum of everything ranks must agree on to exchange (not the matrices' names)."""
         shapes = [(m.rows, m.cols, m.ns_steps, m.pieces, m.replicas) for m in self.matrices]
@@ -169,16 +61,21 @@ class Plan:
         return loads
 
     def elements_moved(self, rank: int) -> int:
-        """Elements ``rank`` sends to other ranks in one step, both exchanges together.
+        """Elements ``rank`` sends to other ranks in one step, both exchanges together: its
+        piece of each matrix it sends to another owner, and every other holder's piece of each
+        matrix it owns.
 
         Each piece crosses the wire at most once each way: one copy of every matrix reaches its
         owner, and each rank receives exactly the pieces it holds; no schedule that runs each
-        matrix's NS on one rank moves less.
+        matrix's NS on one rank moves less. A cost model: the wire format itself (buffer order,
+        split sizes) is ``dmuon_fsdp.schedule``'s, which checks its totals against this.
         """
         total = 0
-        for bucket in self.buckets:
-            for send, _ in (self.gather_counts(bucket, rank), self.scatter_counts(bucket, rank)):
-                total += sum(send) - send[rank]
+        for j, (m, owner) in enumerate(zip(self.matrices, self.owners)):
+            if owner != rank and rank in self.senders[j]:
+                total += m.pieces[rank].numel
+            if owner == rank:
+                total += sum(piece.numel for r, piece in enumerate(m.pieces) if r != rank)
         return total
 
 

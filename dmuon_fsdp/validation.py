@@ -1,4 +1,4 @@
-"""Checks of hyper-parameters and saved state: clear ValueErrors before anything runs."""
+"""Checks of param groups, hyper-parameters and saved state: clear errors before anything runs."""
 
 from __future__ import annotations
 
@@ -20,6 +20,54 @@ def _non_negative(group: dict[str, Any], *keys: str) -> None:
         value = float(group[key])
         if not (math.isfinite(value) and value >= 0.0):
             raise ValueError(f"{key} must be a finite number >= 0, got {group[key]!r}")
+
+
+OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases", "nonfinite", "check_grads")
+
+
+def split_group(
+    param_group: dict[str, Any], first_index: int, known: dict[Tensor, str], defaults: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[Tensor, str]]:
+    """Route a param group's parameters: a Muon group and/or an AdamW group (AdamW's lr, betas,
+    eps and weight decay from its ``adamw_*`` options unless the group sets ``use_muon=False``),
+    and each parameter's name for messages (``known``: the names already taken)."""
+    group = dict(param_group)
+    for key in OPTIMIZER_WIDE:
+        if key in group:
+            raise ValueError(f"{key} is optimizer-wide and cannot be set per param group")
+    params = group.pop("params")
+    params = [params] if isinstance(params, Tensor) else list(params)
+    use_muon = group.pop("use_muon", None)
+    if use_muon not in (None, True, False):
+        raise ValueError(f"use_muon must be True, False or unset, got {use_muon!r}")
+    names: dict[Tensor, str] = {}
+    muon, adamw = [], []
+    for i, item in enumerate(params):
+        name, p = item if isinstance(item, tuple) else (f"parameter {first_index + i}", item)
+        if not isinstance(p, Tensor):
+            raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
+        if not isinstance(item, tuple):
+            name = f"{name} (shape {tuple(p.shape)})"
+        if p in known or p in names:
+            raise ValueError(f"{name} is passed to the optimizer twice (first as {known.get(p, names.get(p))})")
+        route_to_muon = p.ndim >= 2 if use_muon is None else use_muon
+        if route_to_muon and p.ndim < 2:
+            raise ValueError(f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon needs a "
+                             "matrix (ndim >= 2)")  # fmt: skip
+        if p.is_complex():
+            raise ValueError(f"{name}: complex parameters are not supported")
+        names[p] = name
+        (muon if route_to_muon else adamw).append(item)
+    new_groups = []
+    if muon or not adamw:
+        new_groups.append({**group, "params": muon, "use_muon": True})
+    if adamw:
+        adamw_group = {**group, "params": adamw, "use_muon": False}
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if not (use_muon is False and key in group):
+                adamw_group[key] = group.get(f"adamw_{key}", defaults[f"adamw_{key}"])
+        new_groups.append(adamw_group)
+    return new_groups, names
 
 
 def check_muon_group(group: dict[str, Any]) -> None:

@@ -24,7 +24,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from dmuon_fsdp import param_groups  # noqa: E402
 from dmuon_fsdp.newton_schulz import newton_schulz_flops  # noqa: E402
-from dmuon_fsdp.planner import MatrixLayout, build_plan, chunk_row_counts  # noqa: E402
+from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts  # noqa: E402
+from dmuon_fsdp.planner import build_plan  # noqa: E402
 from matmul_floor import bmm_seconds  # noqa: E402
 from recipes.model import PRESETS, Transformer, preset  # noqa: E402
 

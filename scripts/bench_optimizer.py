@@ -80,7 +80,7 @@ def timed_steps(optimizers: list, steps: int, warmup: int, device: torch.device)
             "cpu_total_s": statistics.median(cpu), "steps": steps}  # fmt: skip
 
 
-def dmuon_breakdown(model, ns_dtype, steps, device, rank, world) -> dict:
+def dmuon_breakdown(model, ns_dtype, steps, device, world) -> dict:
     """Phase times, flops and bytes of DMuonFSDP with phase timing on, plus the bmm floor."""
     opt = DMuonFSDP(param_groups(model), ns_dtype=ns_dtype, time_phases=True)
     per_step = []
@@ -90,16 +90,15 @@ def dmuon_breakdown(model, ns_dtype, steps, device, rank, world) -> dict:
         per_step.append(opt.last_step_stats)
     per_step = per_step[1:]
     stats = per_step[-1]
-    entries = [(g, p, None) for g in opt.param_groups if g["use_muon"] for p in g["params"] if p.grad is not None]
-    plan = opt.plan_for(entries)
+    plan, me = opt.plan, opt.exchange_rank
     element = torch.empty((), dtype=ns_dtype).element_size()
-    floor = bmm_seconds(plan, rank, ns_dtype, device, ns_steps=5)
+    floor = bmm_seconds(plan, me, ns_dtype, device, ns_steps=5)
     mine = {
         "seconds": {ph: statistics.median(s.seconds.get(ph, 0.0) for s in per_step) for ph in PHASES},
         "ns_flops": stats.ns_flops,
         "bytes_sent": stats.bytes_sent,
         "bytes_received": stats.bytes_received,
-        "bytes_bound": plan.elements_moved(rank) * element,
+        "bytes_bound": plan.elements_moved(me) * element,
         "floor_s": floor,
     }
     everyone = [None] * world
@@ -131,7 +130,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         steps = args.slow_steps if name == "torch-muon" and not cuda else args.steps
         results["contenders"][name] = timed_steps(make_optimizers(name, model, ns_dtype), steps, args.warmup, device)
     if "dmuon" in args.contenders:
-        results["dmuon_breakdown"] = dmuon_breakdown(model, ns_dtype, args.steps, device, rank, world)
+        results["dmuon_breakdown"] = dmuon_breakdown(model, ns_dtype, args.steps, device, world)
     if rank == 0:
         results.update(world_size=world, preset=args.preset, device=str(device), ns_dtype=str(ns_dtype),
                        threads_per_rank=args.threads)  # fmt: skip

@@ -22,7 +22,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dmuon_fsdp.planner import MatrixLayout, build_plan, chunk_row_counts, replicated  # noqa: E402
+from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts, replicated  # noqa: E402
+from dmuon_fsdp.planner import build_plan  # noqa: E402
 from model_shapes import LLAMA_SHAPES  # noqa: E402
 
 BYTES = 2  # bf16
@@ -41,10 +42,11 @@ def compare(shapes: list[tuple[int, int]], replicas: int, shards: int) -> dict[s
     two_step = []
     for rank in range(world):
         replica, shard = divmod(rank, shards)
-        bucket = ours.buckets[0]
-        sent = sum(ours.gather_counts(bucket, rank)[0]) - ours.gather_counts(bucket, rank)[0][rank]
+        sent = 0
         for j, m in enumerate(ours.matrices):
             owner = ours.owners[j]
+            if owner != rank and rank in ours.senders[j]:  # forward: one copy to the owner
+                sent += m.pieces[rank].numel
             if owner == rank:  # return inside the owner's shard group
                 sent += sum(m.pieces[r].numel for r in range(replica * shards, (replica + 1) * shards) if r != rank)
             if owner // shards == replica:  # all-gather across replicas: my rows to R-1 others

@@ -46,12 +46,14 @@ def bmm_chain_seconds(batch: int, s: int, l: int, ns_steps: int, dtype: torch.dt
 
 
 def bmm_seconds(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device, ns_steps: int) -> float:
-    """Least NS time of ``rank`` under ``plan``: its owned batches, per bucket and shape, as bmm."""
+    """Least NS time of ``rank`` under ``plan``: its owned batches, per bucket and (short, long)
+    side (DMuonFSDP stacks tall matrices transposed with wide ones), as bmm."""
     total = 0.0
     for bucket in plan.buckets:
-        shapes = Counter((plan.matrices[j].rows, plan.matrices[j].cols) for j in plan.owned_by(bucket, rank))
-        for (rows, cols), batch in shapes.items():
-            total += bmm_chain_seconds(batch, min(rows, cols), max(rows, cols), ns_steps, dtype, device)
+        matrices = [plan.matrices[j] for j in plan.owned_by(bucket, rank)]
+        shapes = Counter((min(m.rows, m.cols), max(m.rows, m.cols)) for m in matrices)
+        for (s, l), batch in shapes.items():
+            total += bmm_chain_seconds(batch, s, l, ns_steps, dtype, device)
     return total
 
 

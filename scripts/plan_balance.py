@@ -15,7 +15,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dmuon_fsdp.planner import MatrixLayout, assignment_lower_bound, build_plan, chunk_row_counts  # noqa: E402
+from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts  # noqa: E402
+from dmuon_fsdp.planner import assignment_lower_bound, build_plan  # noqa: E402
 from model_shapes import LLAMA_SHAPES  # noqa: E402
 
 

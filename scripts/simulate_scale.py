@@ -31,13 +31,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), os.path.dirname(__file__)]
 
-from dmuon_fsdp.planner import (  # noqa: E402
-    MatrixLayout,
-    assignment_lower_bound,
-    build_plan,
-    chunk_row_counts,
-    makespan_lower_bound,
-)
+from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts  # noqa: E402
+from dmuon_fsdp.planner import assignment_lower_bound, build_plan, makespan_lower_bound  # noqa: E402
 from model_shapes import LLAMA_SHAPES, MOE_SHAPES  # noqa: E402
 
 GPUS = {"h100": {"tflops": 989.0, "hbm_gbs": 3350.0}, "h200": {"tflops": 989.0, "hbm_gbs": 4800.0}}

@@ -112,8 +112,8 @@ def sub_meshes_in_any_order(rank, world_size):
     try:
         DMuonFSDP(params + [("other", weight(init_device_mesh("cpu", (4,))))])
     except ValueError as e:
-        return opt._mesh.mesh_dim_names, str(e)
-    return opt._mesh.mesh_dim_names, None
+        return opt.exchange_mesh.mesh_dim_names, str(e)
+    return opt.exchange_mesh.mesh_dim_names, None
 
 
 def test_exchange_mesh_is_the_widest_whatever_the_order():

@@ -4,7 +4,6 @@ moves exactly the bytes its plan predicts with no gathers."""
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp.program import Batch
 from reference import reference_muon_step, relative_error
 from spawn import run_ranks
 
-ns_module = importlib.import_module("dmuon_fsdp.newton_schulz")
 OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
 REFERENCE = dict(lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.1, coefficients=(3.4445, -4.7750, 2.0315),
                  steps=5, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
@@ -70,7 +69,7 @@ def train(model, groups, loss_fn, stacked=()):
         def bump(key, by=1):
             counts[key] += by
 
-        wrap(ns_module, "newton_schulz", lambda m, *a, **k: bump("ns_matrices", m.shape[0] if m.ndim == 3 else 1))
+        wrap(Batch, "orthogonalize", lambda batch: bump("ns_matrices", batch.stack.shape[0]))
         wrap(dist, "all_to_all_single", lambda *a, **k: bump("a2a"))
         for name in GATHERS:
             wrap(dist, name, lambda *a, **k: bump("gathers"))
@@ -82,15 +81,15 @@ def train(model, groups, loss_fn, stacked=()):
             for (owner, name), original in originals.items():
                 setattr(owner, name, original)
         opt.zero_grad()
-        plan = opt._plan
+        plan = opt.plan
         counts["sent"] += opt.last_step_stats.bytes_sent
-        counts["planned"] += plan.elements_moved(opt._exchange.rank) * 4
+        counts["planned"] += plan.elements_moved(opt.exchange_rank) * 4
         for n in ref:
             matrices = zip(ref[n], grads[n], bufs[n]) if n in stacked else [(ref[n], grads[n], bufs[n])]
             for p, g, b in matrices:
                 reference_muon_step(p, g, b, **REFERENCE)
     counts["matrices"] = len(plan.matrices)
-    counts["owned"] = sum(1 for o in plan.owners if o == opt._exchange.rank)
+    counts["owned"] = sum(1 for o in plan.owners if o == opt.exchange_rank)
     errors = {n: relative_error(_full(p).detach(), ref[n]) for n, p in params.items()}
     return errors, counts
 
@@ -139,6 +138,25 @@ def test_replicated_parameters_split_ns_across_ranks(world_size, replicate_dtens
     # Every rank holds the whole gradient: only orthogonalized matrices travel, owner to others.
     for rank, (_, counts) in enumerate(results):
         assert counts["sent"] > 0
+
+
+def ddp_lower_precision_wire(rank, world_size):
+    model = Weights(SHAPES)
+    loss = DistributedDataParallel(model)
+    opt = DMuonFSDP(model.parameters(), lr=0.05, ns_dtype=torch.float32, comm_dtype=torch.bfloat16)
+    for step in range(STEPS):
+        loss(step).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_replicas_stay_equal_with_a_lower_precision_wire():
+    # bf16 on the wire, fp32 NS: an owner's own copy of a result is rounded through bf16 like
+    # the copy it sends, so DDP replicas stay bitwise equal.
+    first, second = run_ranks(ddp_lower_precision_wire, 2)
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name
 
 
 class TensorParallelMLP(nn.Module):

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp.program import Batch
 from dmuon_fsdp.grad_checks import GradientMismatchError, NonFiniteGradientError
 from spawn import cpu_mesh, run_ranks
 from test_equivalence import ShapesModel, gradients, make_groups
@@ -38,10 +39,10 @@ def _outcome(fn):
     return None
 
 
-def grad_scenarios(rank, world_size):
+def grad_scenarios(rank, world_size, comm_dtype):
     out = {}
     model = sharded_model()
-    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, comm_dtype=comm_dtype)
     w5 = model.holders["w5"].weight
 
     # Frozen or unused on every rank: skipped consistently, the parameter does not move.
@@ -75,11 +76,21 @@ def grad_scenarios(rank, world_size):
     opt.nonfinite = "ignore"
     out["nan_ignore"] = _outcome(opt.step)
     out["nan_spread"] = bool(model.holders["wide"].weight.full_tensor().isnan().any())
+    opt.zero_grad()
+
+    # Group options: changed alike on every rank, the plan is rebuilt; on one rank only, an error.
+    _backward(model)
+    opt.param_groups[0]["ns_steps"] = 4
+    out["options_alike"] = _outcome(opt.step)
+    if rank == 0:
+        opt.param_groups[1]["eps"] = 1e-6
+    out["options_differ"] = _outcome(opt.step)
     return out
 
 
-def test_gradient_problems_raise_the_same_error_on_every_rank():
-    results = run_ranks(grad_scenarios, 2)
+@pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
+def test_gradient_problems_raise_the_same_error_on_every_rank(comm_dtype):
+    results = run_ranks(grad_scenarios, 2, comm_dtype)
     for rank, r in enumerate(results):
         assert r["none_everywhere"] is None and r["w5_unchanged"]
         kind, message = r["none_on_one_rank"]
@@ -90,6 +101,9 @@ def test_gradient_problems_raise_the_same_error_on_every_rank():
         assert kind == NonFiniteGradientError.__name__ and "(rank 0)" in message
         assert r["nan_skip"] is None and r["skipped"] and r["skip_changed_nothing"]
         assert r["nan_ignore"] is None and r["nan_spread"]
+        assert r["options_alike"] is None
+        kind, message = r["options_differ"]
+        assert kind == "ValueError" and "options" in message
     assert results[0]["none_on_one_rank"] == results[1]["none_on_one_rank"]
     assert results[0]["nan_raise"] == results[1]["nan_raise"]
 
@@ -115,7 +129,7 @@ def faulty_rank(rank, world_size):
         def broken(*args, **kwargs):
             raise RuntimeError("injected fault in Newton-Schulz")
 
-        opt._orthogonalize = broken
+        Batch.orthogonalize = broken  # a spawned rank: nothing else sees the patch
     start = time.monotonic()
     outcome = _outcome(opt.step)
     return outcome, time.monotonic() - start
@@ -141,7 +155,7 @@ def test_model_changed_after_construction():
     w.grad, extra.grad = torch.randn_like(w), torch.randn_like(extra)
     before = extra.detach().clone()
     opt.step()
-    assert len(opt._plan.matrices) == 2 and not torch.equal(extra.detach(), before)
+    assert len(opt.plan.matrices) == 2 and not torch.equal(extra.detach(), before)
     w.data = torch.randn(8, 6)  # resized behind the optimizer's back
     w.grad = torch.randn_like(w)
     with pytest.raises(ValueError, match="'?w'? changed layout|w changed layout"):
@@ -191,3 +205,17 @@ def test_a_rejected_group_leaves_the_optimizer_unchanged():
     assert (len(opt.param_groups), len(opt.state)) == before
     opt.add_param_group({"params": [("b", b)]})  # the same parameter is accepted afterwards
     assert len(opt.param_groups) == 2
+
+
+def test_a_group_torch_rejects_leaves_the_optimizer_unchanged():
+    # torch requires names on every group or on none: checked after ours, and undone.
+    w, v = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(5, 3))
+    opt = DMuonFSDP([("w", w)])
+    with pytest.raises(ValueError, match="names"):
+        opt.add_param_group({"params": [v]})
+    assert len(opt.param_groups) == 1 and v not in opt.state
+    opt.add_param_group({"params": [("v", v)]})  # a correct retry is accepted
+    w.grad, v.grad = torch.randn_like(w), torch.randn_like(v)
+    before = v.detach().clone()
+    opt.step()
+    assert not torch.equal(v.detach(), before)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon_fsdp import DMuonFSDP, param_groups
+from dmuon_fsdp import POLAR_EXPRESS, DMuonFSDP, param_groups
 from reference import reference_muon_step, relative_error
 from test_equivalence import (
     SHAPES,
@@ -189,7 +189,7 @@ def test_plan_is_cached_and_rebuilt_when_the_set_of_matrices_changes():
         for w in ws:
             w.grad = torch.randn_like(w) if any(w is g for g in with_grad) else None
         opt.step()
-        return opt._plan
+        return opt.plan
 
     first = step(ws)
     assert step(ws) is first
@@ -198,3 +198,102 @@ def test_plan_is_cached_and_rebuilt_when_the_set_of_matrices_changes():
     untouched = ws[2].detach().clone()
     step(ws[:2])
     assert torch.equal(ws[2].detach(), untouched), "a parameter without grad must not move"
+
+
+def _expected_after_a_step(w, coefficients, steps):
+    """Sets a random w.grad; returns w after one momentum-free float64 reference Muon step."""
+    expected = w.detach().clone()
+    w.grad = torch.randn_like(w)
+    reference_muon_step(expected, w.grad, torch.zeros_like(expected), lr=0.02, momentum=0.0, nesterov=True,
+                        weight_decay=0.0, coefficients=coefficients, steps=steps, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
+    return expected
+
+
+def _stepped_once(shape):
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(shape, dtype=torch.float64))
+    opt = DMuonFSDP([w], ns_dtype=torch.float64, momentum=0.0)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    return w, opt
+
+
+def test_a_replaced_parameter_storage_is_followed():
+    # p.data = ... keeps the Parameter but swaps its storage (as model.to(...) does): the step
+    # program's views are made anew, and the new values get the update.
+    w, opt = _stepped_once((6, 4))
+    w.data = torch.randn(6, 4, dtype=torch.float64)
+    expected = _expected_after_a_step(w, (3.4445, -4.7750, 2.0315), 5)
+    opt.step()
+    assert relative_error(w.detach(), expected) < 1e-12
+
+
+def test_load_state_dict_into_a_running_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = DMuonFSDP(model.parameters(), lr=0.05)
+
+    def train(steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            model(torch.randn(32, 8, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    train(2, seed=1)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())
+    train(2, seed=2)
+    continued = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)  # new state tensors: the program's views must follow them
+    train(2, seed=2)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, continued[k]), k
+
+
+def test_changed_group_options_take_effect_at_the_next_step():
+    w, opt = _stepped_once((5, 7))
+    first = opt.plan
+    opt.param_groups[0]["ns_coefficients"] = "polar_express"
+    opt.param_groups[0]["ns_steps"] = 6
+    expected = _expected_after_a_step(w, POLAR_EXPRESS, 6)
+    opt.step()
+    assert opt.plan is not first
+    assert relative_error(w.detach(), expected) < 1e-12
+
+
+def test_profiler_trace_shows_the_step_phases():
+    model = ShapesModel()
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
+    model({n: g.float() for n, g in gradients(0).items()}).backward()
+    opt.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    names = {event.name for event in prof.events()}
+    for phase in ("momentum", "adamw", "newton_schulz", "apply"):
+        assert f"dmuon_fsdp.{phase}" in names, (phase, sorted(n for n in names if "dmuon" in n))
+
+
+def _ops_and_reads(blocks, **options):
+    from bench_host import HostReads, OpCounter
+    from recipes.model import Transformer, preset
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", n_layers=blocks, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=16))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = DMuonFSDP(param_groups(model), **options)
+    opt.step()
+    with OpCounter() as counter, HostReads() as reads:
+        opt.step()
+    return sum(counter.ops.values()), reads.count
+
+
+def test_steady_state_step_work_does_not_grow_with_the_model():
+    # A step dispatches a fixed number of ops per param group, bucket and NS batch; three times
+    # the blocks (and parameters) dispatch exactly as many. One device-to-host read with the
+    # checks on, none with them off.
+    small, large = _ops_and_reads(2), _ops_and_reads(6)
+    assert small == large and small[0] <= 150 and small[1] == 1, (small, large)
+    assert _ops_and_reads(6, check_grads=False, nonfinite="ignore")[1] == 0

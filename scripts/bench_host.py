@@ -1,0 +1,226 @@
+"""Host work of one optimizer step: aten ops dispatched, device-to-host reads and host time.
+
+Builds the recipe's decoder with the 124M structure (12 blocks of q, k, v, o, gate, up, down and
+two norms, plus embedding, head and final norm: 111 parameters) at tiny dims (``DIMS``: model
+width 16, GQA with 2 query and 1 key/value heads, MLP width 32), so that Newton-Schulz costs next
+to nothing and the step is host work (Python, dispatch, launches).
+DMuonFSDP (``param_groups`` routing, default settings; also with ``check_grads=False,
+nonfinite="ignore"``) is compared with fused ``torch.optim.AdamW`` on the same parameters, in one
+run, for:
+
+- W=1: one process, no process group;
+- W=2: FSDP2 over gloo, two spawned CPU ranks (the figures are rank 0's);
+- W=64 and W=1024: torch's fake process group, one process standing in for rank 0, FSDP2 on a
+  CPU mesh of that size; collectives return at once, so only host work is timed;
+- the same model with 80 blocks (the 70B structure, 723 parameters) at W=1 and W=2.
+
+Ops are counted with a ``TorchDispatchMode`` over one steady-state ``step()`` (after warm-up
+steps); device-to-host reads are ``Tensor.item``/``tolist``/``__bool__`` calls made inside it
+(on a CPU these read host memory, but each is a synchronizing read on an accelerator). Host time
+is the median wall time of ``step()`` over ``--steps`` steps with nothing else running.
+
+    python scripts/bench_host.py                 # every case, ~1 minute on 2 cores
+    python scripts/bench_host.py --cases w1 w2   # a subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from dmuon_fsdp import DMuonFSDP, param_groups  # noqa: E402
+from recipes.model import Transformer, preset  # noqa: E402
+
+# case -> (world size, process group kind, blocks)
+CASES = {
+    "w1": (1, None, 12),
+    "w2": (2, "gloo", 12),
+    "fake64": (64, "fake", 12),
+    "fake1024": (1024, "fake", 12),
+    "w1-80": (1, None, 80),
+    "w2-80": (2, "gloo", 80),
+}
+DIMS = dict(dim=16, n_heads=2, n_kv_heads=1, ffn_dim=32)
+CONTENDERS = {
+    "dmuon": lambda model: DMuonFSDP(param_groups(model)),
+    "dmuon-nochecks": lambda model: DMuonFSDP(param_groups(model), check_grads=False, nonfinite="ignore"),
+    "adamw-fused": lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten (and c10d, profiler) op dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostReads:
+    """Counts Tensor.item / tolist / __bool__ calls while active (device-to-host reads on GPUs)."""
+
+    NAMES = ("item", "tolist", "__bool__")
+
+    def __enter__(self):
+        self.count = 0
+        self.originals = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+        for name, original in self.originals.items():
+            def wrapper(tensor, *args, _original=original, **kwargs):
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def build_model(blocks: int, world: int, kind: str | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", n_layers=blocks, **DIMS))
+    if kind is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def measure(names: list[str], model: torch.nn.Module, steps: int, warmup: int) -> dict:
+    """Ops, host reads and host time per step of each contender on the same parameters and
+    gradients. Timed in interleaved rounds (each contender a few steps in turn), so that all
+    see the same load on a shared machine; the median over every timed step is reported."""
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizers = {name: CONTENDERS[name](model) for name in names}
+    result = {}
+    for name, opt in optimizers.items():
+        for _ in range(warmup):
+            opt.step()
+        with OpCounter() as counter, HostReads() as reads:
+            opt.step()
+        top = ", ".join(f"{op} {n}" for op, n in counter.ops.most_common(6))
+        result[name] = {"ops": sum(counter.ops.values()), "host_reads": reads.count, "top_ops": top, "times": []}
+    rounds = max(1, steps // 5)
+    for _ in range(rounds):
+        for name, opt in optimizers.items():
+            for _ in range(5):
+                start = time.perf_counter()
+                opt.step()
+                result[name]["times"].append(time.perf_counter() - start)
+    for name, opt in optimizers.items():
+        times = result[name].pop("times")
+        result[name]["host_ms"] = statistics.median(times) * 1e3
+        if isinstance(opt, DMuonFSDP):  # the Newton-Schulz share, timed separately
+            opt.time_phases = True
+            ns = []
+            for _ in range(10):
+                opt.step()
+                ns.append(opt.last_step_stats.seconds.get("newton_schulz", 0.0))
+            opt.time_phases = False
+            result[name]["ns_ms"] = statistics.median(ns) * 1e3
+    return result
+
+
+def run_case(rank: int, world: int, kind: str | None, blocks: int, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    if kind == "gloo":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
+    elif kind == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        model = build_model(blocks, world, kind)
+        result = measure(args.contenders, model, args.steps, args.warmup)
+        result["params"] = sum(1 for _ in model.parameters())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default="runs/bench/host.json")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for case in args.cases:
+        world, kind, blocks = CASES[case]
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.port = s.getsockname()[1]
+        part = out.with_name(f"host_{case}.json")
+        nprocs = world if kind == "gloo" else 1
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        mp.spawn(run_case, args=(world, kind, blocks, args, str(part)), nprocs=nprocs)
+        results[case] = json.loads(part.read_text())
+        part.unlink()
+    out.write_text(json.dumps(results, indent=2))
+    report(results)
+
+
+def report(results: dict) -> None:
+    names = [n for n in CONTENDERS if all(n in r for r in results.values())]
+    print("\n| case | params | " + " | ".join(f"{n} ops | reads | host ms" for n in names) + " |")
+    print("|---|---:|" + "---:|---:|---:|" * len(names))
+    for case, r in results.items():
+        cells = " | ".join(f"{r[n]['ops']} | {r[n]['host_reads']} | {r[n]['host_ms']:.3f}" for n in names)
+        print(f"| {case} | {r['params']} | {cells} |")
+    ns = [f"{case} {r[n]['ns_ms']:.3f}" for case, r in results.items() for n in names if "ns_ms" in r[n] and n == "dmuon"]
+    print("\nof which Newton-Schulz (dmuon, ms, timed with time_phases): " + ", ".join(ns))
+    if "adamw-fused" in names:
+        print("\nhost time / fused AdamW's, same case:")
+        for case, r in results.items():
+            ratios = ", ".join(f"{n} {r[n]['host_ms'] / r['adamw-fused']['host_ms']:.2f}x" for n in names
+                               if n != "adamw-fused")  # fmt: skip
+            print(f"- {case}: {ratios}")
+    if "w2" in results:
+        print("\nagainst W=2 (ops, host time):")
+        for case in ("fake64", "fake1024", "w2-80"):
+            if case in results:
+                ratios = ", ".join(f"{n} {results[case][n]['ops'] / results['w2'][n]['ops']:.2f}x / "
+                                   f"{results[case][n]['host_ms'] / results['w2'][n]['host_ms']:.2f}x"
+                                   for n in names if n != "adamw-fused")  # fmt: skip
+                print(f"- {case}: {ratios}")
+    print("\nmost frequent ops (dmuon):")
+    for case, r in results.items():
+        if "dmuon" in r:
+            print(f"- {case}: {r['dmuon']['top_ops']}")
+
+
+if __name__ == "__main__":
+    main()

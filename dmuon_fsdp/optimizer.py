@@ -15,7 +15,7 @@ from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, Verdict
 from dmuon_fsdp.layouts import describe_params, local_shard
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
 from dmuon_fsdp.planner import Plan, build_plan
-from dmuon_fsdp.schedule import rank_schedule
+from dmuon_fsdp.schedule import FLAG_ELEMENTS, rank_schedule
 from dmuon_fsdp.stats import StepStats
 
 # Muon group options compiled into the step program: changing one rebuilds it.
@@ -57,9 +57,10 @@ class DMuonFSDP(Optimizer):
       plan is (re)built, that every rank built the same plan (ValueError otherwise, e.g. plain
       tensors that differ by rank; one ``all_reduce`` then). Cost per step: no collective of its
       own. Each rank's findings (with the ``nonfinite`` check's) ride in the step's first
-      all-to-all, and one device-to-host read of their maximum over the ranks decides; with
-      ``check_grads=False, nonfinite="ignore"`` there is no read at all. The non-finite check
-      reads every local gradient once on the device (a ``_foreach_norm``).
+      all-to-all (10 numbers to every peer), and one device-to-host read of their maximum over
+      the ranks decides; with ``check_grads=False, nonfinite="ignore"`` there are no flags and no
+      read. The non-finite check reads every local gradient once on the device (a
+      ``_foreach_norm``).
     - ``time_phases``: record wall time per phase in ``last_step_stats`` (synchronizes the device
       at phase boundaries on accelerators; for benchmarks). NS flops and bytes on the wire are
       recorded in ``last_step_stats`` either way.
@@ -256,7 +257,7 @@ class DMuonFSDP(Optimizer):
                 _wait(handle)
             if verdict is Verdict.EXPLAIN:
                 self._explain(shared)
-            stats.skipped = verdict is Verdict.SKIP
+            self.last_step_stats = StepStats(stats.device, timed=stats.timed, skipped=verdict is Verdict.SKIP)
             return verdict
         with stats.phase("momentum"):
             prog.commit(local, groups)
@@ -291,9 +292,10 @@ class DMuonFSDP(Optimizer):
         return Verdict.GO
 
     def _key(self, grads: list[Tensor | None]) -> tuple:
-        """What the program is compiled for: which parameters have gradients, Muon options."""
+        """What the program is compiled for: which parameters have gradients, the Muon groups'
+        structural options, and whether the first exchange carries check flags."""
         options = tuple(tuple(_frozen(g[k]) for k in _STRUCTURAL) for g in self.param_groups if g["use_muon"])
-        return tuple(g is not None for g in grads), options
+        return tuple(g is not None for g in grads), options, self.check_grads or self.nonfinite != "ignore"
 
     def _program_for(self, key: tuple) -> tuple[program.StepProgram, bool]:
         """The program for this step, and whether its views still point at the parameters.
@@ -326,7 +328,8 @@ class DMuonFSDP(Optimizer):
             trouble = grad_checks.agree_on_plan(trouble, grad_checks.digest(key), plan, exchange.group, device)
         if trouble:
             self._explain(shared)
-        return self._bind(plan, rank_schedule(plan, exchange.rank, exchange.peers), key)
+        flags = FLAG_ELEMENTS if key[2] else 0
+        return self._bind(plan, rank_schedule(plan, exchange.rank, exchange.peers, flags), key)
 
     def _bind(self, plan: Plan, schedule: Any, key: tuple) -> program.StepProgram:
         device = self._device()
@@ -362,7 +365,7 @@ class DMuonFSDP(Optimizer):
     def _verdict(self, prog, local, indicator, first, stats) -> tuple[Verdict, bool]:
         """The step's verdict, the same on every rank, and whether it was shared over the ranks.
         At most one device-to-host read: the maximum of every rank's flags, or the local ones."""
-        shared = prog.flags is not None and (self.check_grads or self.nonfinite != "ignore")
+        shared = prog.flags is not None
         if shared:
             with stats.phase("wait"):
                 summary = prog.flag_summary(first.wait())

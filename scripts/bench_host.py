@@ -17,7 +17,9 @@ run, for:
 Ops are counted with a ``TorchDispatchMode`` over one steady-state ``step()`` (after warm-up
 steps); device-to-host reads are ``Tensor.item``/``tolist``/``__bool__`` calls made inside it
 (on a CPU these read host memory, but each is a synchronizing read on an accelerator). Host time
-is the median wall time of ``step()`` over ``--steps`` steps with nothing else running.
+is the median wall time of ``step()`` over ``--steps`` steps, contenders interleaved; also
+reported without the time spent inside torch.distributed calls (gloo's waits at W=2; with the
+fake backend, its per-peer cost of an all-to-all launch).
 
     python scripts/bench_host.py                 # every case, ~1 minute on 2 cores
     python scripts/bench_host.py --cases w1 w2   # a subset
@@ -95,6 +97,31 @@ class HostReads:
             setattr(torch.Tensor, name, original)
 
 
+class CollectiveCalls:
+    """Accumulates the wall time spent inside torch.distributed collective calls (launches;
+    torch's fake backend spends microseconds per peer in an all-to-all with data for it)."""
+
+    NAMES = ("all_to_all_single", "all_reduce")
+
+    def __enter__(self):
+        self.seconds = 0.0
+        self.originals = {name: getattr(dist, name) for name in self.NAMES}
+        for name, original in self.originals.items():
+            def wrapper(*args, _original=original, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - start
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+
 def build_model(blocks: int, world: int, kind: str | None) -> torch.nn.Module:
     torch.manual_seed(0)
     model = Transformer(preset("tiny", n_layers=blocks, **DIMS))
@@ -124,17 +151,22 @@ def measure(names: list[str], model: torch.nn.Module, steps: int, warmup: int) -
         with OpCounter() as counter, HostReads() as reads:
             opt.step()
         top = ", ".join(f"{op} {n}" for op, n in counter.ops.most_common(6))
-        result[name] = {"ops": sum(counter.ops.values()), "host_reads": reads.count, "top_ops": top, "times": []}
+        result[name] = {"ops": sum(counter.ops.values()), "host_reads": reads.count, "top_ops": top, "times": [],
+                        "in_collectives": []}  # fmt: skip
     rounds = max(1, steps // 5)
     for _ in range(rounds):
         for name, opt in optimizers.items():
             for _ in range(5):
-                start = time.perf_counter()
-                opt.step()
-                result[name]["times"].append(time.perf_counter() - start)
+                with CollectiveCalls() as calls:
+                    start = time.perf_counter()
+                    opt.step()
+                    elapsed = time.perf_counter() - start
+                result[name]["times"].append(elapsed)
+                result[name]["in_collectives"].append(calls.seconds)
     for name, opt in optimizers.items():
-        times = result[name].pop("times")
+        times, inside = result[name].pop("times"), result[name].pop("in_collectives")
         result[name]["host_ms"] = statistics.median(times) * 1e3
+        result[name]["outside_collectives_ms"] = statistics.median(t - c for t, c in zip(times, inside)) * 1e3
         if isinstance(opt, DMuonFSDP):  # the Newton-Schulz share, timed separately
             opt.time_phases = True
             ns = []
@@ -200,8 +232,10 @@ def report(results: dict) -> None:
     for case, r in results.items():
         cells = " | ".join(f"{r[n]['ops']} | {r[n]['host_reads']} | {r[n]['host_ms']:.3f}" for n in names)
         print(f"| {case} | {r['params']} | {cells} |")
-    ns = [f"{case} {r[n]['ns_ms']:.3f}" for case, r in results.items() for n in names if "ns_ms" in r[n] and n == "dmuon"]
+    ns = [f"{case} {r['dmuon']['ns_ms']:.3f}" for case, r in results.items() if "ns_ms" in r.get("dmuon", {})]
     print("\nof which Newton-Schulz (dmuon, ms, timed with time_phases): " + ", ".join(ns))
+    outside = [f"{case} {r['dmuon']['outside_collectives_ms']:.3f}" for case, r in results.items() if "dmuon" in r]
+    print("dmuon host ms outside torch.distributed calls: " + ", ".join(outside))
     if "adamw-fused" in names:
         print("\nhost time / fused AdamW's, same case:")
         for case, r in results.items():
@@ -209,12 +243,14 @@ def report(results: dict) -> None:
                                if n != "adamw-fused")  # fmt: skip
             print(f"- {case}: {ratios}")
     if "w2" in results:
-        print("\nagainst W=2 (ops, host time):")
+        print("\nagainst W=2 (ops, host time, host time outside torch.distributed calls):")
         for case in ("fake64", "fake1024", "w2-80"):
             if case in results:
-                ratios = ", ".join(f"{n} {results[case][n]['ops'] / results['w2'][n]['ops']:.2f}x / "
-                                   f"{results[case][n]['host_ms'] / results['w2'][n]['host_ms']:.2f}x"
-                                   for n in names if n != "adamw-fused")  # fmt: skip
+                ratios = ", ".join(
+                    f"{n} " + " / ".join(f"{results[case][n][k] / results['w2'][n][k]:.2f}x"
+                                        for k in ("ops", "host_ms", "outside_collectives_ms"))
+                    for n in names if n != "adamw-fused"
+                )  # fmt: skip
                 print(f"- {case}: {ratios}")
     print("\nmost frequent ops (dmuon):")
     for case, r in results.items():

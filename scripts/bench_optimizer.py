@@ -39,12 +39,13 @@ from gather_muon import GatherAllMuon  # noqa: E402
 from matmul_floor import bmm_seconds, ns_throughput_report  # noqa: E402
 from recipes.model import PRESETS, Transformer, preset  # noqa: E402
 
-CONTENDERS = ["adamw", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap"]
+CONTENDERS = ["adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap"]
 
 
 def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) -> list:
-    if name == "adamw":
-        return [torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)]
+    if name in ("adamw", "adamw-fused"):
+        kernel = {"fused": True} if name == "adamw-fused" else {"foreach": True}
+        return [torch.optim.AdamW(model.parameters(), lr=1e-3, **kernel)]
     groups = param_groups(model)
     if name in ("dmuon", "dmuon-no-overlap"):
         return [DMuonFSDP(groups, ns_dtype=ns_dtype, overlap=name == "dmuon")]

@@ -22,9 +22,9 @@ GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadca
            "reduce_scatter_tensor", "gather", "scatter")  # fmt: skip
 
 
-def expected_splits(plan, rank, world):
+def expected_splits(plan, rank, world, flags):
     """Split sizes of every all-to-all this rank should launch, worked out from the plan alone:
-    [(receive counts, send counts)], matrix pieces plus the check flags in the first one."""
+    [(receive counts, send counts)], matrix pieces plus ``flags`` check elements in the first one."""
     out = []
     for k, bucket in enumerate(plan.buckets):
         for gather in (True, False):
@@ -39,9 +39,9 @@ def expected_splits(plan, rank, world):
                     for r in holders:
                         if r != rank:
                             (receive if gather else send)[r] += m.pieces[r].numel
-            flags = FLAG_ELEMENTS if gather and k == 0 else 0
-            if moves or flags:
-                out.append(([n + flags for n in receive], [n + flags for n in send]))
+            extra = flags if gather and k == 0 else 0
+            if moves or extra:
+                out.append(([n + extra for n in receive], [n + extra for n in send]))
     return out
 
 
@@ -102,7 +102,8 @@ def counted_step(rank, world_size, overlap, comm_dtype, checks=True):
     return {
         "steps": steps,
         "buckets": len(plan.buckets),
-        "expected_splits": expected_splits(plan, me, world_size),
+        "flags": FLAG_ELEMENTS if checks else 0,  # with both checks off, no flags travel
+        "expected_splits": expected_splits(plan, me, world_size, FLAG_ELEMENTS if checks else 0),
         "element_size": size,
         "planned_bytes": plan.elements_moved(me) * size,
         "owned": sum(1 for o in plan.owners if o == me),
@@ -124,7 +125,7 @@ def test_step_communication_matches_plan(world_size, overlap, comm_dtype, checks
             got = sorted((out, inp) for out, inp, _ in step["a2a"])
             assert got == sorted(r["expected_splits"]), f"rank {rank}, step {index}: split sizes"
             assert all(size == r["element_size"] for _, _, size in step["a2a"]), "comm_dtype on the wire"
-            flags = FLAG_ELEMENTS * (world_size - 1)  # the check flags, to every other rank
+            flags = r["flags"] * (world_size - 1)  # the check flags, to every other rank
             sent = sum(sum(inp) - inp[rank] for _, inp, _ in step["a2a"]) - flags
             assert sent * r["element_size"] == r["planned_bytes"] > 0
             # The only all-reduce: on the first step, the check that every rank built the same
@@ -140,6 +141,6 @@ def test_step_communication_matches_plan(world_size, overlap, comm_dtype, checks
         stats = r["stats"]
         assert stats.bytes_sent == stats.bytes_received == r["planned_bytes"]
         assert stats.collectives == len(r["steps"][1]["a2a"]) and stats.ns_flops == r["owned_flops"]
-        assert stats.flag_bytes == FLAG_ELEMENTS * world_size * r["element_size"]
+        assert stats.flag_bytes == r["flags"] * world_size * r["element_size"]
         assert set(stats.seconds) <= set(PHASES) and stats.seconds["newton_schulz"] > 0
     assert sum(r["owned"] for r in results) == results[0]["matrices"]

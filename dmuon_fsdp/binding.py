@@ -9,7 +9,9 @@ buffer instead, so that every rank's copy of a result is rounded alike (replicas
 
 Views: what a parameter's matrices orthogonalize is written straight into its destination (a
 send-buffer segment or a stack region, viewed in the local shard's shape) when the local shard
-is a single piece; otherwise into a scratch copy of the shard, spread by one foreach copy.
+is a single piece sent whole; otherwise into a scratch copy of the shard, spread by one foreach
+copy. Buffers live as long as the program and are reused every step: on CUDA, steps must run
+on one stream (or be synchronized when it changes), as the exchanges are ordered on it.
 """
 
 from __future__ import annotations
@@ -110,10 +112,10 @@ def _shared_workspace(stacks: list[Tensor]) -> tuple[Tensor, Tensor, Tensor] | N
 
 
 def _in_shape(view: Tensor, local: Tensor) -> Tensor | None:
-    """``view`` seen in the local shard's shape, when it can be."""
+    """``view`` seen in the local shard's shape, when it is the whole shard and can be."""
     if view.shape == local.shape:
         return view
-    return view.view(local.shape) if view.is_contiguous() else None
+    return view.view(local.shape) if view.numel() == local.numel() and view.is_contiguous() else None
 
 
 class _Binder:
@@ -194,7 +196,7 @@ class _Binder:
                 if not feeds[i]:
                     continue  # nothing of it is orthogonalized here (another replica sends it)
                 direct = _in_shape(feeds[i][0][0], local) if len(feeds[i]) == 1 else None
-                if direct is not None and feeds[i][0][1].piece.numel == local.numel():
+                if direct is not None:  # the one piece is the whole shard
                     straight.append((i, direct))
                     continue
                 scratch = torch.empty_like(local)
@@ -268,6 +270,8 @@ def build_program(
     return StepProgram(
         key=key, digest=digest, plan=plan, schedule=schedule, entries=binder.entries,
         storage=tuple(t.data_ptr() for t in binder.locals), grad_shapes=[t.shape for t in binder.locals],
+        nonempty=tuple(i for i, t in enumerate(binder.locals) if t.numel()),
+        state_slots=tuple((e.param, key, value) for e in binder.entries for key, value in state[e.param].items()),
         muon=muon, adamw=binder.adamw(state), pack=pack, buckets=buckets, flags=flags,
         all_updates=tuple(binder.merged.values()), counts=_counts(plan, schedule, buckets, flags, comm_dtype),
     )  # fmt: skip

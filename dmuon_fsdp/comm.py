@@ -86,6 +86,11 @@ def default_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def default_rank() -> int:
+    """This process's rank in the default process group, 0 when there is none."""
+    return dist.get_rank() if default_world_size() > 1 else 0
+
+
 def all_max(values: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Element-wise maximum of ``values`` over the group (in place, and returned)."""
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)

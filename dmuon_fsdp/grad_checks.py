@@ -9,15 +9,17 @@ rank's per-parameter findings (``explain``), so that every rank raises the same 
 parameters and ranks.
 
 Flags, per rank: [invalid, non-finite, d0..d3, -d0..-d3] where invalid is 1 for a sparse or
-misshapen gradient or a parameter whose layout changed, non-finite is 0 or NaN (NaN survives
-the maximum), and d0..d3 are the bytes of a digest of which parameters have gradients and the
-Muon groups' structural options: the maximum of d and of -d agree only if every rank sent the
-same d. Small integers and NaN are exact in every float dtype the exchange may use.
+misshapen gradient or a parameter whose layout changed, non-finite is 1 when a gradient holds
+inf or NaN, and d0..d3 are the bytes of a digest of which parameters have gradients, the Muon
+groups' structural options and whether flags travel: the maximum of d and of -d agree only if
+every rank sent the same d. Integers up to 255 are exact in every float dtype the exchange may
+use (fp16, bf16, fp32, fp64).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import zlib
 from collections.abc import Collection
 
@@ -71,11 +73,12 @@ def flag_values(invalid: bool, key_digest: int) -> list[float]:
 
 
 def nonfinite_indicator(grads: list[Tensor], device: torch.device) -> Tensor:
-    """A 0-d tensor: 0 when every gradient is finite, NaN otherwise; no host read."""
+    """A 0-d bool tensor, True when some gradient (none empty) holds inf or NaN; no host read.
+    The largest magnitude of each gradient is finite exactly when the gradient is (no overflow,
+    unlike an L2 norm of a large fp16 gradient)."""
     if not grads:
-        return torch.zeros((), device=device)
-    total = torch.stack(torch._foreach_norm(grads)).sum()
-    return total - total  # inf - inf and nan - nan are NaN
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().logical_not().any()
 
 
 def decide(summary: list[float], key_digest: int, nonfinite: str, check_grads: bool) -> Verdict:
@@ -85,16 +88,18 @@ def decide(summary: list[float], key_digest: int, nonfinite: str, check_grads: b
         return Verdict.EXPLAIN
     if check_grads and sum(int(d) << (8 * i) for i, d in enumerate(high)) != key_digest:
         return Verdict.REBUILD
-    if summary[1] != summary[1]:  # NaN: some rank has a non-finite gradient
+    if summary[1] > 0:  # some rank has a non-finite gradient
         return {"raise": Verdict.EXPLAIN, "skip": Verdict.SKIP}.get(nonfinite, Verdict.GO)
     return Verdict.GO
 
 
-def agree_on_plan(trouble: bool, key_digest: int, plan: Plan, group: dist.ProcessGroup, device: torch.device) -> bool:
+def agree_on_plan(trouble: bool, key_digest: int, plan: Plan, group: dist.ProcessGroup, device: torch.device,
+                  compare: bool) -> bool:  # fmt: skip
     """When a plan is (re)built: one ``all_reduce`` telling every rank whether any rank found
-    ``trouble`` or a different step key (then every rank should ``explain``). Raises ValueError
-    on every rank when the ranks built different plans from the same key."""
-    signature = plan.signature()
+    ``trouble`` or, with ``compare``, a different step key (then every rank should ``explain``).
+    With ``compare``, raises ValueError on every rank when the ranks built different plans."""
+    signature = plan.signature() if compare else 0
+    key_digest = key_digest if compare else 0
     values = [int(trouble), key_digest, -key_digest, signature, -signature]
     agreed = comm.all_max(torch.tensor(values, dtype=torch.int64, device=device), group).tolist()
     if agreed[0] or agreed[1] != -agreed[2]:
@@ -121,9 +126,9 @@ def gradient_codes(params: list[Tensor], relayouted: Collection[Tensor], nonfini
                 code |= MISSHAPEN
         codes.append(code)
     if nonfinite != "ignore" and not any(code & INVALID_BITS for code in codes):
-        checked = [i for i, code in enumerate(codes) if code & HAS_GRAD]
+        checked = [i for i, code in enumerate(codes) if code & HAS_GRAD and local_shard(params[i].grad).numel()]
         if checked:
-            norms = torch._foreach_norm([local_shard(params[i].grad) for i in checked])
+            norms = torch._foreach_norm([local_shard(params[i].grad) for i in checked], math.inf)
             for i, bad in zip(checked, (~torch.stack(norms).isfinite()).tolist()):
                 codes[i] |= NONFINITE if bad else 0
     return codes

@@ -173,6 +173,11 @@ def _shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int], nam
     return order + deferred
 
 
+def mesh_index(mesh: DeviceMesh) -> int:
+    """This rank's index on ``mesh``: its row-major coordinate (how plans number ranks)."""
+    return _row_major(mesh.get_coordinate(), mesh.shape)
+
+
 def _row_major(coordinate: Sequence[int], shape: Sequence[int]) -> int:
     index = 0
     for k, n in zip(coordinate, shape):

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from dmuon_fsdp import binding, comm, grad_checks, program, validation
 from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, Verdict
-from dmuon_fsdp.layouts import describe_params, local_shard
+from dmuon_fsdp.layouts import describe_params, local_shard, mesh_index
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
 from dmuon_fsdp.planner import Plan, build_plan
 from dmuon_fsdp.schedule import FLAG_ELEMENTS, rank_schedule
@@ -164,8 +164,12 @@ class DMuonFSDP(Optimizer):
 
     @property
     def exchange_rank(self) -> int:
-        """This rank's index in ``plan`` (its row-major coordinate on the exchange mesh)."""
-        return self._exchange_group().rank
+        """This rank's index in ``plan`` (its row-major coordinate on the exchange mesh); local,
+        no collective."""
+        mesh = self._group_mesh()
+        if mesh is not None:
+            return mesh_index(mesh)
+        return comm.default_rank()
 
     # ---- construction -------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -306,12 +310,14 @@ class DMuonFSDP(Optimizer):
         prog = self._program
         agreeing = self.check_grads and prog is not None and prog.flags is not None
         if prog is None or (key != prog.key and not agreeing):
+            self._program = prog = None  # its buffers go before the new ones are allocated
             prog = self._program = self._build(key)
-        if self._rebind or prog.moved(self._params):
+        if self._rebind or prog.moved(self._params, self.state):
             if self._relayouted():  # state no longer fits: the step reports it (invalid flag)
                 return prog, False
-            prog = self._program = self._bind(prog.plan, prog.schedule, prog.key)
-            self._rebind = False
+            plan, schedule, key = prog.plan, prog.schedule, prog.key
+            self._program = prog = None
+            prog = self._program = self._bind(plan, schedule, key)
         return prog, True
 
     def _build(self, key: tuple) -> program.StepProgram:
@@ -323,9 +329,10 @@ class DMuonFSDP(Optimizer):
         size = self._comm_dtype(device).itemsize
         plan = build_plan(layouts, len(exchange.peers), self.bucket_bytes, size, param_of)
         trouble = bool(self._relayouted())
-        shared = self.check_grads and exchange.group is not None
+        shared = key[2] and exchange.group is not None  # a check is on: every rank hears of trouble
         if shared:
-            trouble = grad_checks.agree_on_plan(trouble, grad_checks.digest(key), plan, exchange.group, device)
+            digest = grad_checks.digest(key)
+            trouble = grad_checks.agree_on_plan(trouble, digest, plan, exchange.group, device, self.check_grads)
         if trouble:
             self._explain(shared)
         flags = FLAG_ELEMENTS if key[2] else 0
@@ -334,7 +341,7 @@ class DMuonFSDP(Optimizer):
     def _bind(self, plan: Plan, schedule: Any, key: tuple) -> program.StepProgram:
         device = self._device()
         digest = grad_checks.digest(key)
-        self._flags_dirty = False
+        self._flags_dirty = self._rebind = False
         return binding.build_program(
             plan, schedule, self._entries(key), self.param_groups, self.state, key=key, digest=digest,
             flag_values=grad_checks.flag_values(False, digest), ns_dtype=self._ns_dtype(device),
@@ -349,7 +356,7 @@ class DMuonFSDP(Optimizer):
         indicator when it is checked."""
         indicator = None
         if self.nonfinite != "ignore" and local is not None:
-            indicator = grad_checks.nonfinite_indicator(local, self._device())
+            indicator = grad_checks.nonfinite_indicator([local[i] for i in prog.nonempty], self._device())
         if prog.flags is None:
             return indicator
         values = None
@@ -396,13 +403,16 @@ class DMuonFSDP(Optimizer):
         group = self._exchange_group().group
         return comm.launch(exchange.send, exchange.receive, exchange.send_counts, exchange.receive_counts, group)
 
+    def _group_mesh(self) -> Any:
+        """The mesh exchanges and checks run over: the exchange mesh, or without Muon parameters
+        the first DTensor's mesh (None: plain tensors, the default group)."""
+        if self._muon_meshes:
+            return self._mesh
+        return next((p.device_mesh for p in self._params if isinstance(p, DTensor)), None)
+
     def _exchange_group(self) -> comm.ExchangeGroup:
-        """The group over the exchange mesh (without Muon parameters: the first DTensor's mesh)."""
         if self._exchange is None:
-            mesh = self._mesh
-            if not self._muon_meshes:
-                mesh = next((p.device_mesh for _, p in self._indexed if isinstance(p, DTensor)), None)
-            self._exchange = comm.exchange_group(mesh)
+            self._exchange = comm.exchange_group(self._group_mesh())
         return self._exchange
 
     def _device(self) -> torch.device:

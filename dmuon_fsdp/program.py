@@ -146,7 +146,9 @@ class StepProgram:
     schedule: RankSchedule
     entries: tuple[Entry, ...]
     storage: tuple[int, ...]  # data_ptr of each entry's local shard when bound
+    state_slots: tuple[tuple[Tensor, str, Tensor], ...]  # (parameter, state key, the tensor bound)
     grad_shapes: list[torch.Size]
+    nonempty: tuple[int, ...]  # entries whose local shard holds elements (the ones to check)
     muon: tuple[MuonLists, ...]
     adamw: tuple[AdamWLists, ...]
     pack: Copies
@@ -164,9 +166,12 @@ class StepProgram:
             return None
         return local
 
-    def moved(self, params: Sequence[Tensor]) -> bool:
-        """Whether a parameter's local storage was replaced since binding (``p.data = ...``)."""
-        return [local_shard(params[e.position]).data_ptr() for e in self.entries] != list(self.storage)
+    def moved(self, params: Sequence[Tensor], state: Any) -> bool:
+        """Whether a parameter's local storage (``p.data = ...``) or one of its state tensors
+        (``opt.state[p][key] = ...``) was replaced since binding."""
+        if [local_shard(params[e.position]).data_ptr() for e in self.entries] != list(self.storage):
+            return True
+        return any(state[p][key] is not bound for p, key, bound in self.state_slots)
 
     def write_flags(self, values: Tensor | None, nonfinite: Tensor | None) -> None:
         """Check flags into every segment of the first exchange: all of them (``values``, one per

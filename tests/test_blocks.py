@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
 from reference import reference_muon_step, relative_error
@@ -62,10 +63,10 @@ def _groups(model):
     return [{"params": [(n, model.ws[n])], **options} for n, (_, options, _) in CASES.items()]
 
 
-def _train(model, opt):
+def _train(model, opt, loss=None):
     _, grads = _data()
     for step_grads in grads:
-        model({n: g.float() for n, g in step_grads.items()}).backward()
+        (loss or model)({n: g.float() for n, g in step_grads.items()}).backward()
         opt.step()
         opt.zero_grad()
 
@@ -99,3 +100,19 @@ def test_blocks_across_shard_boundaries_match_separate_matrices():
     for name in CASES:
         assert relative_error(results[0][0][name], expected[name]) <= 1e-5, name
     assert all(sent == 0 for _, sent in results), "experts sharded on the expert dim must not move"
+
+
+def replicated_blocks(rank, world_size):
+    model = Fused()
+    opt = DMuonFSDP(_groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
+    _train(model, opt, DistributedDataParallel(model))
+    return {n: model.ws[n].detach() for n in CASES}
+
+
+def test_blocks_of_replicated_parameters_match_separate_matrices():
+    # DDP: every rank holds every block, but orthogonalizes (and feeds) only the blocks it owns.
+    expected = _reference()
+    first, second = run_ranks(replicated_blocks, 2)
+    for name in CASES:
+        assert relative_error(first[name], expected[name]) <= 1e-5, name
+        assert torch.equal(first[name], second[name]), name

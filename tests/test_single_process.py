@@ -297,3 +297,28 @@ def test_steady_state_step_work_does_not_grow_with_the_model():
     small, large = _ops_and_reads(2), _ops_and_reads(6)
     assert small == large and small[0] <= 150 and small[1] == 1, (small, large)
     assert _ops_and_reads(6, check_grads=False, nonfinite="ignore")[1] == 0
+
+
+def test_a_replaced_state_tensor_is_followed():
+    w = nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    opt = DMuonFSDP([w], ns_dtype=torch.float64, momentum=0.5)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    buf = torch.randn_like(w)
+    opt.state[w]["momentum_buffer"] = buf.clone()  # replaced by hand: the next step uses and updates it
+    expected = w.detach().clone()
+    w.grad = torch.randn_like(w)
+    reference_muon_step(expected, w.grad, buf, lr=0.02, momentum=0.5, nesterov=True, weight_decay=0.0,
+                        coefficients=(3.4445, -4.7750, 2.0315), steps=5, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
+    opt.step()
+    assert relative_error(w.detach(), expected) < 1e-12
+    assert relative_error(opt.state[w]["momentum_buffer"], buf) < 1e-12
+
+
+def test_nonfinite_indicator_flags_inf_and_nan_but_not_large_half_gradients():
+    from dmuon_fsdp.grad_checks import nonfinite_indicator
+
+    large = torch.full((4,), 60000.0, dtype=torch.float16)  # finite; its L2 norm overflows fp16
+    assert not nonfinite_indicator([large, torch.randn(3, 3)], torch.device("cpu"))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert nonfinite_indicator([large, torch.tensor([1.0, bad])], torch.device("cpu"))

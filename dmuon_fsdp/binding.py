@@ -270,7 +270,7 @@ def build_program(
     return StepProgram(
         key=key, digest=digest, plan=plan, schedule=schedule, entries=binder.entries,
         storage=tuple(t.data_ptr() for t in binder.locals), grad_shapes=[t.shape for t in binder.locals],
-        nonempty=tuple(i for i, t in enumerate(binder.locals) if t.numel()),
+        found=torch.zeros(1, device=device), one=torch.ones((), device=device),
         state_slots=tuple((e.param, key, value) for e in binder.entries for key, value in state[e.param].items()),
         muon=muon, adamw=binder.adamw(state), pack=pack, buckets=buckets, flags=flags,
         all_updates=tuple(binder.merged.values()), counts=_counts(plan, schedule, buckets, flags, comm_dtype),

@@ -72,13 +72,15 @@ def flag_values(invalid: bool, key_digest: int) -> list[float]:
     return values
 
 
-def nonfinite_indicator(grads: list[Tensor], device: torch.device) -> Tensor:
-    """A 0-d bool tensor, True when some gradient (none empty) holds inf or NaN; no host read.
-    The largest magnitude of each gradient is finite exactly when the gradient is (no overflow,
-    unlike an L2 norm of a large fp16 gradient)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.bool, device=device)
-    return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().logical_not().any()
+def nonfinite_indicator(grads: list[Tensor], found: Tensor, one: Tensor) -> Tensor:
+    """``found`` (a 1-element float32 tensor) <- 1 when some gradient holds inf or NaN, else 0;
+    device ops only. The check is torch's own for AMP (``GradScaler``'s kernel, one pass over
+    the gradients) with a scale of ``one`` (1.0): it multiplies each gradient by 1.0 in place,
+    which changes no value, so gradients must be writable (as after backward)."""
+    found.zero_()
+    if grads:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+    return found
 
 
 def decide(summary: list[float], key_digest: int, nonfinite: str, check_grads: bool) -> Verdict:

@@ -59,8 +59,9 @@ class DMuonFSDP(Optimizer):
       own. Each rank's findings (with the ``nonfinite`` check's) ride in the step's first
       all-to-all (10 numbers to every peer), and one device-to-host read of their maximum over
       the ranks decides; with ``check_grads=False, nonfinite="ignore"`` there are no flags and no
-      read. The non-finite check reads every local gradient once on the device (a
-      ``_foreach_norm``).
+      read. The non-finite check makes one pass over the local gradients on the device, with
+      torch's AMP check (``GradScaler``'s kernel, at scale 1.0: it rewrites each gradient in
+      place with the same values, so gradients must be writable).
     - ``time_phases``: record wall time per phase in ``last_step_stats`` (synchronizes the device
       at phase boundaries on accelerators; for benchmarks). NS flops and bytes on the wire are
       recorded in ``last_step_stats`` either way.
@@ -356,7 +357,7 @@ class DMuonFSDP(Optimizer):
         indicator when it is checked."""
         indicator = None
         if self.nonfinite != "ignore" and local is not None:
-            indicator = grad_checks.nonfinite_indicator([local[i] for i in prog.nonempty], self._device())
+            indicator = grad_checks.nonfinite_indicator(local, prog.found, prog.one)
         if prog.flags is None:
             return indicator
         values = None

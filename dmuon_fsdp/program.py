@@ -148,7 +148,8 @@ class StepProgram:
     storage: tuple[int, ...]  # data_ptr of each entry's local shard when bound
     state_slots: tuple[tuple[Tensor, str, Tensor], ...]  # (parameter, state key, the tensor bound)
     grad_shapes: list[torch.Size]
-    nonempty: tuple[int, ...]  # entries whose local shard holds elements (the ones to check)
+    found: Tensor  # (1,) float32: the non-finite check's result on the device
+    one: Tensor  # 1.0, the check's scale
     muon: tuple[MuonLists, ...]
     adamw: tuple[AdamWLists, ...]
     pack: Copies

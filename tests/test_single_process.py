@@ -315,10 +315,14 @@ def test_a_replaced_state_tensor_is_followed():
     assert relative_error(opt.state[w]["momentum_buffer"], buf) < 1e-12
 
 
-def test_nonfinite_indicator_flags_inf_and_nan_but_not_large_half_gradients():
+def test_nonfinite_check_flags_inf_and_nan_and_changes_no_gradient():
     from dmuon_fsdp.grad_checks import nonfinite_indicator
 
-    large = torch.full((4,), 60000.0, dtype=torch.float16)  # finite; its L2 norm overflows fp16
-    assert not nonfinite_indicator([large, torch.randn(3, 3)], torch.device("cpu"))
+    found, one = torch.zeros(1), torch.ones(())
+    grads = [torch.full((4,), 60000.0, dtype=torch.float16), torch.tensor([-0.0, 2.5]), torch.zeros(0, 3)]
+    before = [g.clone() for g in grads]
+    assert nonfinite_indicator(grads, found, one).item() == 0
+    assert all(torch.equal(g, b) and torch.equal(g.signbit(), b.signbit()) for g, b in zip(grads, before))
     for bad in (float("nan"), float("inf"), -float("inf")):
-        assert nonfinite_indicator([large, torch.tensor([1.0, bad])], torch.device("cpu"))
+        grads[1][0] = bad
+        assert nonfinite_indicator(grads, found, one).item() == 1

@@ -50,3 +50,13 @@ def test_hsdp_deduplication_moves_less_than_repeating_ns_per_replica():
         assert abs((repeated[1] - ours[1]) - saved) < 1e-6 * total, (replicas, shards)
         assert abs(ours[1] - two_step[1]) < 1e-9, "the same total bytes as a2a + all-gather"
         assert ours[2] <= repeated[2] / replicas * 1.1, "NS spread over every replica's ranks"
+
+
+def test_bench_host_counts_ops_and_host_reads(tmp_path):
+    out = tmp_path / "host.json"
+    _run("scripts/bench_host.py", "--cases", "w1", "fake64", "--steps", "5", "--warmup", "1", "--out", out)
+    result = json.loads(out.read_text())
+    for case in ("w1", "fake64"):
+        dmuon, quiet = result[case]["dmuon"], result[case]["dmuon-nochecks"]
+        assert dmuon["ops"] <= 150 and dmuon["host_reads"] == 1 and quiet["host_reads"] == 0, result[case]
+        assert result[case]["params"] == 111

@@ -73,14 +73,6 @@ def exchange_group(mesh: DeviceMesh | None) -> ExchangeGroup:
     return ExchangeGroup(group, index[dist.get_rank()], peers)
 
 
-def agreed(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[bool]:
-    """For each integer, whether every rank of ``group`` passed the same one (one ``all_reduce``)."""
-    if group is None:
-        return [True] * len(values)
-    both = all_max(torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device), group).tolist()
-    return [both[i] == -both[len(values) + i] for i in range(len(values))]
-
-
 def default_world_size() -> int:
     """World size of the default process group, 1 when there is none."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

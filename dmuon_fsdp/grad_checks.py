@@ -30,6 +30,7 @@ from torch import Tensor
 from dmuon_fsdp import comm
 from dmuon_fsdp.layouts import local_shard
 from dmuon_fsdp.planner import Plan
+from dmuon_fsdp.program import StepProgram
 from dmuon_fsdp.schedule import FLAG_ELEMENTS
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
@@ -81,6 +82,36 @@ def nonfinite_indicator(grads: list[Tensor], found: Tensor, one: Tensor) -> Tens
     if grads:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
     return found
+
+
+def report(prog: StepProgram, key: tuple, local: list[Tensor] | None, nonfinite: str) -> Tensor | None:
+    """This rank's findings into the program's first exchange (device ops only): its normal
+    flags, or what differs here (``local`` None: invalid gradients; another key). Returns the
+    non-finite indicator when that check is on."""
+    indicator = None
+    if nonfinite != "ignore" and local is not None:
+        indicator = nonfinite_indicator(local, prog.found, prog.one)
+    if prog.flags is not None:
+        values = prog.flags.values
+        if local is None or key != prog.key:
+            found = flag_values(key == prog.key, digest(key))
+            values = torch.tensor(found, dtype=values.dtype, device=values.device)
+        prog.write_flags(values, indicator)
+    return indicator
+
+
+def verdict(prog: StepProgram, receive: Tensor | None, local: list[Tensor] | None, indicator: Tensor | None,
+            nonfinite: str, check_grads: bool) -> Verdict:  # fmt: skip
+    """The step's verdict, the same on every rank, from at most one device-to-host read: the
+    maximum of every rank's flags (``receive``, the first exchange's buffer) or, without flags,
+    this rank's own findings."""
+    if receive is not None:
+        summary = prog.flag_summary(receive)
+    else:
+        summary = flag_values(local is None, prog.digest)
+        if indicator is not None:
+            summary[1] = indicator.item()
+    return decide(summary, prog.digest, nonfinite, check_grads)
 
 
 def decide(summary: list[float], key_digest: int, nonfinite: str, check_grads: bool) -> Verdict:

@@ -26,6 +26,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from dmuon_fsdp.newton_schulz import newton_schulz_flops
 
+
 @dataclass(frozen=True)
 class Piece:
     """A rank's rectangle of a matrix: rows [row, row + rows) x columns [col, col + cols), whose

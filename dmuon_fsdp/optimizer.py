@@ -10,21 +10,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from dmuon_fsdp import binding, comm, grad_checks, program, validation
+from dmuon_fsdp import comm, compiler, grad_checks, program, validation
 from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, Verdict
-from dmuon_fsdp.layouts import describe_params, local_shard, mesh_index
+from dmuon_fsdp.layouts import mesh_index
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
-from dmuon_fsdp.planner import Plan, build_plan
-from dmuon_fsdp.schedule import FLAG_ELEMENTS, rank_schedule
+from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.stats import StepStats
 
-# Muon group options compiled into the step program: changing one rebuilds it.
-_STRUCTURAL = ("ns_steps", "ns_coefficients", "eps", "adjust_lr_fn", "flatten", "split_sizes", "num_heads")
 _COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _frozen(value: Any) -> Any:
-    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def _wait(handle: comm.Handle | None) -> None:
@@ -89,7 +82,7 @@ class DMuonFSDP(Optimizer):
     momentum buffers and AdamW moments are placed like their parameters, AdamW's ``step`` is a
     plain tensor on the parameter's device (as for torch's fused AdamW).
 
-    The first ``step`` compiles a step program (``dmuon_fsdp.program``): the plan, every buffer and
+    The first ``step`` compiles a step program (``dmuon_fsdp.compiler``): the plan, every buffer and
     every view a step needs. It is rebuilt when the set of parameters with gradients or a Muon
     group's structural option (ns_steps, ns_coefficients, eps, adjust_lr_fn, flatten,
     split_sizes, num_heads) changes, and rebound when a parameter's storage is replaced or
@@ -140,9 +133,7 @@ class DMuonFSDP(Optimizer):
         self._exchange: comm.ExchangeGroup | None = None  # its group, made at the first step
         self._indexed: list[tuple[int, Tensor]] = []  # (group index, parameter), optimizer order
         self._params: list[Tensor] = []  # the same parameters alone
-        self._program: program.StepProgram | None = None
-        self._rebind = False  # state tensors were replaced: make the program's views anew
-        self._flags_dirty = False  # the first exchange holds another step's abnormal flags
+        self._programs = compiler.Programs()
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
@@ -156,7 +147,7 @@ class DMuonFSDP(Optimizer):
     def plan(self) -> Plan | None:
         """The plan of the last step: owners, buckets and every rank's piece of every matrix
         (None before the first step)."""
-        return self._program.plan if self._program is not None else None
+        return self._programs.current.plan if self._programs.current is not None else None
 
     @property
     def exchange_mesh(self) -> Any:
@@ -197,7 +188,7 @@ class DMuonFSDP(Optimizer):
                 self._indexed.append((g, p))
                 self._params.append(p)
                 self._init_state(p, self.param_groups[g]["use_muon"])
-        self._program = None
+        self._programs.current = None
 
     def _init_state(self, p: Tensor, use_muon: bool) -> None:
         zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -225,7 +216,7 @@ class DMuonFSDP(Optimizer):
             state = self.state[p]
             if "step" in state:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
-        self._rebind = True
+        self._programs.stale = True
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
@@ -236,7 +227,7 @@ class DMuonFSDP(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._run() is Verdict.REBUILD:  # every rank's gradients or options changed alike
-            self._program = None
+            self._programs.current = None
             self._run()
         return loss
 
@@ -244,19 +235,22 @@ class DMuonFSDP(Optimizer):
         """One step of the current program: momentum -> send -> checks -> NS -> return -> apply."""
         groups = self.param_groups
         grads = [p.grad for p in self._params]
-        key = self._key(grads)
-        prog, usable = self._program_for(key)
+        key = compiler.step_key(groups, grads, self.check_grads or self.nonfinite != "ignore")
+        prog, usable = self._programs.for_step(key, self._params, self.state, self._sources, self._explain,
+                                               self.check_grads)  # fmt: skip
         stats = self.last_step_stats = StepStats(self._device(), timed=self.time_phases, **prog.counts)
         local = prog.local_grads(grads) if usable and key == prog.key else None
         with stats.phase("momentum"):
             if local is not None:
                 prog.momentum(local, groups)  # into send buffers and local stacks; state untouched
-            indicator = self._write_flags(prog, key, local)
-        first = prog.buckets[0]
-        gathers = {0: self._launch(first.gather)}
+            indicator = grad_checks.report(prog, key, local, self.nonfinite)
+        gathers = {0: self._launch(prog.buckets[0].gather)}
         if self.overlap and len(prog.buckets) > 1:
             gathers[1] = self._launch(prog.buckets[1].gather)
-        verdict, shared = self._verdict(prog, local, indicator, gathers[0], stats)
+        shared = prog.flags is not None  # every rank's findings arrive with the first exchange
+        with stats.phase("wait"):
+            receive = gathers[0].wait() if shared else None
+        verdict = grad_checks.verdict(prog, receive, local, indicator, self.nonfinite, self.check_grads)
         if verdict is not Verdict.GO:
             for handle in gathers.values():
                 _wait(handle)
@@ -296,107 +290,22 @@ class DMuonFSDP(Optimizer):
                 program.apply(prog.all_updates, groups)
         return Verdict.GO
 
-    def _key(self, grads: list[Tensor | None]) -> tuple:
-        """What the program is compiled for: which parameters have gradients, the Muon groups'
-        structural options, and whether the first exchange carries check flags."""
-        options = tuple(tuple(_frozen(g[k]) for k in _STRUCTURAL) for g in self.param_groups if g["use_muon"])
-        return tuple(g is not None for g in grads), options, self.check_grads or self.nonfinite != "ignore"
-
-    def _program_for(self, key: tuple) -> tuple[program.StepProgram, bool]:
-        """The program for this step, and whether its views still point at the parameters.
-
-        With agreement (``check_grads`` over several ranks) a changed key does not rebuild here:
-        the step runs the old program, its flags tell every rank, and all rebuild together.
-        """
-        prog = self._program
-        agreeing = self.check_grads and prog is not None and prog.flags is not None
-        if prog is None or (key != prog.key and not agreeing):
-            self._program = prog = None  # its buffers go before the new ones are allocated
-            prog = self._program = self._build(key)
-        if self._rebind or prog.moved(self._params, self.state):
-            if self._relayouted():  # state no longer fits: the step reports it (invalid flag)
-                return prog, False
-            plan, schedule, key = prog.plan, prog.schedule, prog.key
-            self._program = prog = None
-            prog = self._program = self._bind(plan, schedule, key)
-        return prog, True
-
-    def _build(self, key: tuple) -> program.StepProgram:
-        """A new plan for ``key`` (with plan agreement over the ranks when ``check_grads``)."""
-        exchange, device = self._exchange_group(), self._device()
-        muon = [(e.param, self._names[e.param], self.param_groups[e.group]) for e in self._entries(key)
-                if self.param_groups[e.group]["use_muon"]]  # fmt: skip
-        layouts, param_of = describe_params(muon, comm.default_world_size(), self._mesh)
-        size = self._comm_dtype(device).itemsize
-        plan = build_plan(layouts, len(exchange.peers), self.bucket_bytes, size, param_of)
-        trouble = bool(self._relayouted())
-        shared = key[2] and exchange.group is not None  # a check is on: every rank hears of trouble
-        if shared:
-            digest = grad_checks.digest(key)
-            trouble = grad_checks.agree_on_plan(trouble, digest, plan, exchange.group, device, self.check_grads)
-        if trouble:
-            self._explain(shared)
-        flags = FLAG_ELEMENTS if key[2] else 0
-        return self._bind(plan, rank_schedule(plan, exchange.rank, exchange.peers, flags), key)
-
-    def _bind(self, plan: Plan, schedule: Any, key: tuple) -> program.StepProgram:
+    def _sources(self) -> compiler.Sources:
         device = self._device()
-        digest = grad_checks.digest(key)
-        self._flags_dirty = self._rebind = False
-        return binding.build_program(
-            plan, schedule, self._entries(key), self.param_groups, self.state, key=key, digest=digest,
-            flag_values=grad_checks.flag_values(False, digest), ns_dtype=self._ns_dtype(device),
-            comm_dtype=self._comm_dtype(device), device=device,
+        return compiler.Sources(
+            self._indexed, self._names, self.param_groups, self.state, self._mesh, self._exchange_group(),
+            self.bucket_bytes, self._ns_dtype(device), self._comm_dtype(device), device, self.check_grads,
         )  # fmt: skip
-
-    def _entries(self, key: tuple) -> list[program.Entry]:
-        return [program.Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(self._indexed, key[0])) if has]
-
-    def _write_flags(self, prog: program.StepProgram, key: tuple, local: list[Tensor] | None) -> Tensor | None:
-        """This rank's findings into the first exchange (device ops only); returns the non-finite
-        indicator when it is checked."""
-        indicator = None
-        if self.nonfinite != "ignore" and local is not None:
-            indicator = grad_checks.nonfinite_indicator(local, prog.found, prog.one)
-        if prog.flags is None:
-            return indicator
-        values = None
-        if local is None or key != prog.key:  # tell every rank what differs here
-            found = grad_checks.flag_values(key == prog.key, grad_checks.digest(key))
-            values = torch.tensor(found, dtype=prog.flags.values.dtype, device=prog.flags.values.device)
-        elif self._flags_dirty:  # an earlier step's findings are still in the buffer
-            values = prog.flags.values
-        self._flags_dirty = values is not None and values is not prog.flags.values
-        prog.write_flags(values, indicator)
-        return indicator
-
-    def _verdict(self, prog, local, indicator, first, stats) -> tuple[Verdict, bool]:
-        """The step's verdict, the same on every rank, and whether it was shared over the ranks.
-        At most one device-to-host read: the maximum of every rank's flags, or the local ones."""
-        shared = prog.flags is not None
-        if shared:
-            with stats.phase("wait"):
-                summary = prog.flag_summary(first.wait())
-        else:
-            summary = grad_checks.flag_values(local is None, prog.digest)
-            if indicator is not None:
-                summary[1] = indicator.item()
-        return grad_checks.decide(summary, prog.digest, self.nonfinite, self.check_grads), shared
 
     def _explain(self, shared: bool) -> None:
         """Raise the error every rank agrees on (a second collective when ``shared``)."""
         group = self._exchange_group().group if shared else None
-        grad_checks.explain(self._params, self._names, group, self.nonfinite, self._relayouted())
+        grad_checks.explain(self._params, self._names, group, self.nonfinite, compiler.relayouted(self._params, self.state))
         raise ValueError(
             "ranks disagree on the Muon param groups' options ("
-            + ", ".join(_STRUCTURAL)
+            + ", ".join(compiler.STRUCTURAL)
             + "): every rank must pass the same"
         )
-
-    def _relayouted(self) -> set[Tensor]:
-        """Parameters whose local shard no longer matches their state (resharded or resized)."""
-        return {p for p in self._params
-                if any(key != "step" and local_shard(v).shape != local_shard(p).shape for key, v in self.state[p].items())}  # fmt: skip
 
     def _launch(self, exchange: program.Exchange | None) -> comm.Handle | None:
         if exchange is None:

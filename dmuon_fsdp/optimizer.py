@@ -6,13 +6,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from dmuon_fsdp import comm, compiler, grad_checks, program, validation
+from dmuon_fsdp import comm, compiler, grad_checks, program, swaps, validation
 from dmuon_fsdp.grad_checks import NONFINITE_POLICIES, Verdict
 from dmuon_fsdp.layouts import mesh_index
+from dmuon_fsdp.param_groups import routing
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
 from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.stats import StepStats
@@ -55,6 +56,11 @@ class DMuonFSDP(Optimizer):
       read. The non-finite check makes one pass over the local gradients on the device, with
       torch's AMP check (``GradScaler``'s kernel, at scale 1.0: it rewrites each gradient in
       place with the same values, so gradients must be writable).
+    - ``route``: a model whose parameters are routed as ``dmuon_fsdp.param_groups(model)`` routes
+      them (embeddings, output head and vectors to AdamW) and named by it, for code that builds
+      the optimizer from its own flat groups, e.g. ``Trainer(..., optimizer_cls_and_kwargs=
+      (DMuonFSDP, {"route": model, ...}))``; a group's ``use_muon`` still wins. It applies to the
+      groups given here (not to ``add_param_group`` later) and keeps no reference to the model.
     - ``time_phases``: record wall time per phase in ``last_step_stats`` (synchronizes the device
       at phase boundaries on accelerators; for benchmarks). NS flops and bytes on the wire are
       recorded in ``last_step_stats`` either way.
@@ -88,6 +94,11 @@ class DMuonFSDP(Optimizer):
     split_sizes, num_heads) changes, and rebound when a parameter's storage is replaced or
     ``load_state_dict`` replaces the state; lr, momentum, nesterov, weight_decay and AdamW's
     settings are read at every step. ``plan`` shows the plan in use.
+
+    Tensors replaced in ``param_groups`` (HF Accelerate swapping FSDP2's sharded parameters into
+    an optimizer built on the unsharded model) are followed by position at the next ``step``,
+    ``state_dict`` or ``load_state_dict``: same order and shapes required; state no step or load
+    has written is made anew, written state moves exactly to the new layout.
     """
 
     def __init__(
@@ -115,6 +126,7 @@ class DMuonFSDP(Optimizer):
         flatten: bool = True,
         split_sizes: list[int] | None = None,
         num_heads: int | None = None,
+        route: nn.Module | None = None,
     ):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -133,7 +145,9 @@ class DMuonFSDP(Optimizer):
         self._exchange: comm.ExchangeGroup | None = None  # its group, made at the first step
         self._indexed: list[tuple[int, Tensor]] = []  # (group index, parameter), optimizer order
         self._params: list[Tensor] = []  # the same parameters alone
+        self._state_written = False  # a step or a load has written state (else swaps recreate it)
         self._programs = compiler.Programs()
+        self._route = routing(route) if route is not None else None
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
@@ -142,6 +156,7 @@ class DMuonFSDP(Optimizer):
             flatten=flatten, split_sizes=split_sizes, num_heads=num_heads,
         )  # fmt: skip
         super().__init__(params, defaults)
+        self._route = None  # holding the model's tensors would keep them alive after a swap
 
     @property
     def plan(self) -> Plan | None:
@@ -170,7 +185,8 @@ class DMuonFSDP(Optimizer):
         Everything is validated, and torch's own checks run, before anything is registered, so a
         rejected group leaves the optimizer as it was.
         """
-        new_groups, names = validation.split_group(param_group, len(self._indexed), self._names, self.defaults)
+        new_groups, names = validation.split_group(param_group, len(self._indexed), self._names, self.defaults,
+                                                   self._route)  # fmt: skip
         meshes = validation.check_new_groups(new_groups, names, self.defaults, self._muon_meshes)
         count = len(self.param_groups)
         try:  # torch's checks (e.g. names on every group or none) come last: undo on failure
@@ -198,8 +214,41 @@ class DMuonFSDP(Optimizer):
             step = torch.zeros((), dtype=torch.float32, device=p.device)
             self.state[p].update(step=step, exp_avg=zeros, exp_avg_sq=torch.zeros_like(zeros))
 
+    def _follow_swaps(self) -> None:
+        """Rebind by position when tensors in ``param_groups`` were replaced (Accelerate swapping in
+        FSDP2's sharded parameters): names, state, meshes and the plan follow. State that a step
+        or a load has written moves exactly to the new layout; untouched state is made anew."""
+        current = swaps.group_params(self.param_groups)
+        if not swaps.replaced(current, self._params):
+            return
+        now = swaps.indexed(self.param_groups)
+        swaps.check(self._indexed, now, self._names, self._state_written)
+        names = {new: self._names[old] for old, new in zip(self._params, current)}
+        meshes = validation.check_new_groups(self.param_groups, names, self.defaults, {})
+        states = [self.state.pop(old) for old in self._params]
+        for (g, old), new, state in zip(self._indexed, current, states):
+            if new is old:
+                self.state[new] = state
+            elif self._state_written:
+                self.state[new] = {key: value.to(new.device) if key == "step" else swaps.placed_like(value, new)
+                                   for key, value in state.items()}  # fmt: skip
+            else:
+                self._init_state(new, self.param_groups[g]["use_muon"])
+        self._names = names
+        self._indexed, self._params = now, current
+        if meshes != self._muon_meshes:
+            self._mesh, self._exchange = validation.exchange_mesh(meshes), None
+        self._muon_meshes = meshes
+        self._programs.current = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's state dict (after following any parameters replaced in ``param_groups``)."""
+        self._follow_swaps()
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict after checking it matches this optimizer parameter by parameter."""
+        self._follow_swaps()
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
@@ -217,6 +266,7 @@ class DMuonFSDP(Optimizer):
             if "step" in state:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         self._programs.stale = True
+        self._state_written = True
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
@@ -226,6 +276,7 @@ class DMuonFSDP(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_swaps()
         if self._run() is Verdict.REBUILD:  # every rank's gradients or options changed alike
             self._programs.current = None
             self._run()
@@ -258,6 +309,7 @@ class DMuonFSDP(Optimizer):
                 self._explain(shared)
             self.last_step_stats = StepStats(stats.device, timed=stats.timed, skipped=verdict is Verdict.SKIP)
             return verdict
+        self._state_written = True
         with stats.phase("momentum"):
             prog.commit(local, groups)
         with stats.phase("adamw"):

@@ -16,6 +16,16 @@ def _output_heads(model: nn.Module, head: str | nn.Module | None) -> set[nn.Para
     projections = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
     return {projections[-1].weight} if projections else set()
 
+def routing(model: nn.Module, head: str | nn.Module | None = None) -> dict[nn.Parameter, tuple[str, bool]]:
+    """Each parameter of ``model``: (its qualified name, whether it goes to Muon), by the rule of
+    ``param_groups`` (trainable or not)."""
+    to_adamw: set[nn.Parameter] = _output_heads(model, head)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            to_adamw.add(module.weight)
+    return {p: (name, p.ndim >= 2 and p not in to_adamw) for name, p in model.named_parameters()}
+
+
 def param_groups(
     model: nn.Module,
     head: str | nn.Module | None = None,
@@ -31,18 +41,15 @@ def param_groups(
     does not fit the model. ``muon_options`` (lr, weight_decay, ...) go into
     the Muon group; AdamW options come from the optimizer's ``adamw_*`` arguments. Works before
     or after ``fully_shard``. Groups carry parameter names, so errors name the parameter.
+    Code that builds the optimizer from its own flat groups (the transformers ``Trainer``) gets
+    the same routing with ``DMuonFSDP(groups, route=model)``.
 
     Example: ``DMuonFSDP(param_groups(model, lr=0.02), adamw_lr=3e-4)``.
     """
-    to_adamw: set[nn.Parameter] = _output_heads(model, head)
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            to_adamw.add(module.weight)
     muon, adamw = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (adamw if p in to_adamw or p.ndim < 2 else muon).append((name, p))
+    for p, (name, to_muon) in routing(model, head).items():
+        if p.requires_grad:
+            (muon if to_muon else adamw).append((name, p))
     groups: list[dict[str, Any]] = []
     if muon:
         groups.append({"params": muon, "use_muon": True, **muon_options})

@@ -26,11 +26,14 @@ OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_pha
 
 
 def split_group(
-    param_group: dict[str, Any], first_index: int, known: dict[Tensor, str], defaults: dict[str, Any]
+    param_group: dict[str, Any], first_index: int, known: dict[Tensor, str], defaults: dict[str, Any],
+    route: dict[Tensor, tuple[str, bool]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[Tensor, str]]:
     """Route a param group's parameters: a Muon group and/or an AdamW group (AdamW's lr, betas,
     eps and weight decay from its ``adamw_*`` options unless the group sets ``use_muon=False``),
-    and each parameter's name for messages (``known``: the names already taken)."""
+    and each parameter's name for messages (``known``: the names already taken). Without
+    ``use_muon`` in the group, matrices go to Muon, or with ``route`` (parameter -> (name, to
+    Muon), see ``param_groups.routing``) what it says."""
     group = dict(param_group)
     for key in OPTIMIZER_WIDE:
         if key in group:
@@ -50,7 +53,11 @@ def split_group(
             name = f"{name} (shape {tuple(p.shape)})"
         if p in known or p in names:
             raise ValueError(f"{name} is passed to the optimizer twice (first as {known.get(p, names.get(p))})")
-        route_to_muon = p.ndim >= 2 if use_muon is None else use_muon
+        if route is not None and p not in route:
+            raise ValueError(f"{name} is not a parameter of the model given as route")
+        if route is not None and not isinstance(item, tuple):
+            name = route[p][0]
+        route_to_muon = use_muon if use_muon is not None else route[p][1] if route is not None else p.ndim >= 2
         if route_to_muon and p.ndim < 2:
             raise ValueError(f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon needs a "
                              "matrix (ndim >= 2)")  # fmt: skip

@@ -120,6 +120,27 @@ def test_param_groups_route_embeddings_and_head_to_adamw(tied):
     assert opt.param_groups[1]["lr"] == 1e-3 and not opt.param_groups[1]["use_muon"]
 
 
+def test_route_gives_flat_groups_the_routing_of_param_groups():
+    """The transformers Trainer's decay / no-decay groups, routed by the model."""
+    model = TinyLM(tied=False)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    groups = [{"params": decay, "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if all(p is not d for d in decay)], "weight_decay": 0.0}]
+    opt = DMuonFSDP(groups, route=model)
+    reference = DMuonFSDP(param_groups(model))
+
+    def routed(o, muon):
+        return {id(p) for g in o.param_groups if g["use_muon"] == muon for p in g["params"]}
+
+    assert routed(opt, True) == routed(reference, True) == {id(model.block.weight)}
+    assert routed(opt, False) == routed(reference, False)
+    assert [g["weight_decay"] for g in opt.param_groups if g["use_muon"]] == [0.1]
+    with pytest.raises(ValueError, match=r"norm.weight has shape \(16,\)"):  # named by the model
+        DMuonFSDP([{"params": [model.norm.weight], "use_muon": True}], route=model)
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(3, 3\)\) is not a parameter of the model"):
+        DMuonFSDP([nn.Parameter(torch.ones(3, 3))], route=model)
+
+
 def test_param_groups_named_head():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
     groups = param_groups(model, head="1")

@@ -1,0 +1,103 @@
+"""Following parameters that a framework replaced in ``param_groups``, by position.
+
+HF Accelerate (and the transformers Trainer through it) builds the optimizer on the unsharded
+model, calls ``fully_shard``, then puts each sharded DTensor where its unsharded parameter was
+in ``param_groups``. Torch's own optimizers survive that because their state is lazy; ours
+exists from construction, keyed by the tensors it was given. ``replaced`` tells whether that
+happened (cheap: the optimizer asks before every step), ``check`` that the replacement keeps
+order and shapes, and ``placed_like`` moves a state tensor exactly onto the new parameter's
+layout.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from dmuon_fsdp.layouts import local_shard
+
+
+def group_params(groups: list[dict[str, Any]]) -> list[Tensor]:
+    """The parameters in ``param_groups`` now, in optimizer order."""
+    return [p for group in groups for p in group["params"]]
+
+
+def replaced(current: list[Tensor], known: list[Tensor]) -> bool:
+    """Whether any entry of ``current`` is not the very tensor the optimizer knows there."""
+    return len(current) != len(known) or not all(map(operator.is_, current, known))
+
+
+def indexed(groups: list[dict[str, Any]]) -> list[tuple[int, Tensor]]:
+    """(group index, parameter) for each parameter in ``param_groups``, in optimizer order."""
+    return [(g, p) for g, group in enumerate(groups) for p in group["params"]]
+
+
+def check(known: list[tuple[int, Tensor]], current: list[tuple[int, Tensor]], names: dict[Tensor, str],
+          keeps_values: bool) -> None:  # fmt: skip
+    """A replacement must be one for one: same count per group, each tensor with its
+    predecessor's global shape, none twice; with ``keeps_values`` (state a step or a load has written), state must
+    be movable exactly (not on the meta device, dtype not narrowed). Raises naming the parameter;
+    every rank sees the same shapes and dtypes, so every rank raises alike, before any move."""
+    if [g for g, _ in current] != [g for g, _ in known]:
+        raise ValueError(
+            f"param_groups now hold {_group_sizes(current)} parameters per group, the optimizer was given "
+            f"{_group_sizes(known)}: a framework may replace parameters one for one (same groups, order and "
+            "shapes); add new ones with add_param_group"
+        )
+    seen: set[Tensor] = set()
+    for (_, old), (_, new) in zip(known, current):
+        name = names[old]
+        if not isinstance(new, Tensor):
+            raise TypeError(f"{name} was replaced in param_groups by a {type(new).__name__}, not a tensor")
+        if new in seen:
+            raise ValueError(f"{name} was replaced in param_groups by a tensor that appears there twice")
+        seen.add(new)
+        if tuple(new.shape) != tuple(old.shape):
+            raise ValueError(
+                f"{name} was replaced in param_groups by a tensor of shape {tuple(new.shape)}: replacements must "
+                "keep each parameter's (global) shape and the order"
+            )
+        if keeps_values and new is not old:
+            _check_movable(name, old.dtype, new.dtype, old.is_meta or new.is_meta)
+
+
+def _group_sizes(indexed: list[tuple[int, Tensor]]) -> list[int]:
+    sizes: dict[int, int] = {}
+    for g, _ in indexed:
+        sizes[g] = sizes.get(g, 0) + 1
+    return list(sizes.values())
+
+
+def _check_movable(name: str, old_dtype: torch.dtype, new_dtype: torch.dtype, meta: bool) -> None:
+    if meta:
+        raise ValueError(
+            f"{name}: its optimizer state holds values and cannot be moved to or from the meta device; "
+            "replace the parameter with a materialized one, or build the optimizer after the model is set up"
+        )
+    if torch.promote_types(old_dtype, new_dtype) != new_dtype:
+        raise ValueError(
+            f"{name} was replaced by a {new_dtype} tensor but its state is {old_dtype}: narrowing it would "
+            "not be exact; build the optimizer after the dtype change"
+        )
+
+
+def placed_like(value: Tensor, param: Tensor) -> Tensor:
+    """``value`` (a state tensor shaped like ``param``: plain, or a DTensor on any mesh) laid out
+    and typed like ``param``, with the same values. A DTensor laid out differently is gathered
+    over its mesh (a collective: every rank replaces the same parameters); the result owns its
+    storage, so the full copy is freed."""
+    if isinstance(value, DTensor) and isinstance(param, DTensor) and (value.device_mesh, value.placements) == (
+        param.device_mesh, param.placements
+    ):  # fmt: skip
+        return value.to(dtype=param.dtype)
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    full = full.to(device=param.device, dtype=param.dtype)
+    out = torch.empty_like(param, memory_format=torch.preserve_format)
+    if isinstance(param, DTensor):  # each rank keeps its own part: DTensor's rule, no communication
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    local_shard(out).copy_(local_shard(full))
+    return out

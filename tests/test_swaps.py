@@ -1,0 +1,184 @@
+"""Parameters replaced in ``param_groups`` (what Accelerate does after ``fully_shard``): the
+optimizer follows them by position and continues exactly as if built after sharding."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from dmuon_fsdp import DMuonFSDP, param_groups
+from spawn import cpu_mesh, run_ranks
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # rows 13 and 5 leave uneven shards at W=2 and an empty one at W=3
+    return nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 5), nn.Linear(5, 11))
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=cpu_mesh())
+    return fully_shard(model, mesh=cpu_mesh())
+
+
+def _swap_like_accelerate(opt, model: nn.Module, before: dict[str, nn.Parameter]) -> None:
+    """Accelerate's fsdp2_switch_optimizer_parameters: each old parameter -> the one now under its name."""
+    now = dict(model.named_parameters())
+    by_id = {id(p): now[name] for name, p in before.items()}
+    for group in opt.param_groups:
+        group["params"] = [by_id[id(p)] for p in group["params"]]
+
+
+def _train(model, opt, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        g = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, 11, (6, 4), generator=g)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(1, 1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _snapshot(model, opt) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = _full(p.detach()).clone()
+        out.update({f"{key}:{name}": _full(v).clone() for key, v in opt.state[p].items()})
+    return out
+
+
+def swapped_versus_built_after(rank, world_size, steps_before):
+    """Optimizer built on the unsharded model (``steps_before`` steps there), the model sharded and
+    the optimizer's parameters swapped; the reference optimizer is built after sharding (and,
+    after steps, handed the swapped optimizer's state dict)."""
+    model = _model()
+    opt = DMuonFSDP(param_groups(model), ns_dtype=torch.float32)
+    _train(model, opt, range(steps_before))
+    before = _snapshot(model, opt)
+    names = dict(model.named_parameters())
+    _swap_like_accelerate(opt, _shard(model), names)
+    state = opt.state_dict()  # follows the swap, as the next step would
+    moved = _snapshot(model, opt)
+    reference = _model()
+    reference.load_state_dict({k: v for k, v in before.items() if ":" not in k})
+    ref_opt = DMuonFSDP(param_groups(_shard(reference)), ns_dtype=torch.float32)
+    if steps_before:
+        ref_opt.load_state_dict(copy.deepcopy(state))  # torch would share the tensors
+    steps = range(steps_before, steps_before + 3)
+    return before, moved, _train(model, opt, steps), _train(reference, ref_opt, steps), _snapshot(model, opt), \
+        _snapshot(reference, ref_opt)
+
+
+def _placed_like_params(model, opt) -> bool:
+    return all(
+        type(v) is type(p) and (not isinstance(p, DTensor) or v.placements == p.placements)
+        for p in model.parameters() for k, v in opt.state[p].items() if k != "step"
+    )
+
+
+def swapped_fresh_and_after_steps(rank, world_size):
+    return [swapped_versus_built_after(rank, world_size, steps_before) for steps_before in (0, 2)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_swapped_parameters_continue_like_an_optimizer_built_after_sharding(world_size):
+    """Swapped before any step (state made anew) and after 2 steps (state moved)."""
+    results = [case for rank in run_ranks(swapped_fresh_and_after_steps, world_size) for case in rank]
+    for before, moved, losses, ref_losses, after, ref_after in results:
+        assert before.keys() == moved.keys()
+        for key in before:  # parameters untouched; state moved exactly (or made anew: zeros)
+            assert torch.equal(moved[key], before[key]), key
+        assert losses == ref_losses
+        assert after.keys() == ref_after.keys()
+        for key in after:
+            assert torch.equal(after[key], ref_after[key]), key
+
+
+def resharded_state_moves_exactly(rank, world_size):
+    """Replicated DTensor parameters (2 steps) replaced by row-sharded ones on the same mesh: the
+    state is re-laid out like the new parameters, with the same values."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    weights = [torch.randn(13, 6), torch.randn(7, 13), torch.randn(13)]
+    mesh = cpu_mesh()
+    replicated = [nn.Parameter(distribute_tensor(w, mesh, [Replicate()])) for w in weights]
+    opt = DMuonFSDP(replicated, ns_dtype=torch.float32)
+    for _ in range(2):
+        for p in replicated:
+            p.grad = distribute_tensor(p.detach().full_tensor().cos(), mesh, [Replicate()])
+        opt.step()
+    before = [{k: _full(v).clone() for k, v in opt.state[p].items()} for p in replicated]
+    sharded = [nn.Parameter(distribute_tensor(p.detach().full_tensor(), mesh, [Shard(0)])) for p in replicated]
+    for group in opt.param_groups:
+        group["params"] = [sharded[next(i for i, r in enumerate(replicated) if r is p)] for p in group["params"]]
+    opt.state_dict()
+    placements = [[v.placements for k, v in opt.state[p].items() if k != "step"] for p in sharded]
+    after = [{k: _full(v).clone() for k, v in opt.state[p].items()} for p in sharded]
+    return before, after, placements
+
+
+def test_state_of_replicated_parameters_moves_exactly_to_sharded_ones():
+    for before, after, placements in run_ranks(resharded_state_moves_exactly, 3):
+        assert all(pl == (Shard(0),) for per_param in placements for pl in per_param)
+        for old, new in zip(before, after):
+            assert old.keys() == new.keys()
+            assert all(torch.equal(old[k], new[k]) for k in old)
+
+
+def _plain_opt():
+    params = [nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6))]
+    return params, DMuonFSDP([("w", params[0]), ("b", params[1])], ns_dtype=torch.float32)
+
+
+def _step(params, opt):
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+
+@pytest.mark.parametrize(
+    "replace, match",
+    [
+        (lambda groups: groups[0]["params"].append(nn.Parameter(torch.randn(2, 2))),
+         r"now hold \[2, 1\] parameters per group, the optimizer was given \[1, 1\]"),
+        (lambda groups: groups[0].__setitem__("params", [nn.Parameter(torch.randn(6, 4))]),
+         r"w was replaced in param_groups by a tensor of shape \(6, 4\)"),
+        (lambda groups: groups[1].__setitem__("params", [groups[0]["params"][0]]), "appears there twice|shape"),
+        (lambda groups: groups[0].__setitem__("params", [torch.randn(4, 6, dtype=torch.bfloat16)]),
+         r"w was replaced by a torch.bfloat16 tensor but its state is torch.float32"),
+        (lambda groups: groups[0].__setitem__("params", [torch.empty(4, 6, device="meta")]), "w: .*meta device"),
+    ],
+)
+def test_a_replacement_that_cannot_be_followed_exactly_names_the_parameter(replace, match):
+    params, opt = _plain_opt()
+    _step(params, opt)
+    replace(opt.param_groups)
+    with pytest.raises((ValueError, TypeError), match=match):
+        opt.step()
+
+
+def test_untouched_state_is_made_anew_for_a_replacement():
+    """Before any step, a replacement in another dtype (Accelerate upcasting for mixed precision)
+    gets fresh zero state in its own dtype, and the step goes on."""
+    params, opt = _plain_opt()
+    new = nn.Parameter(params[0].detach().double())
+    opt.param_groups[0]["params"] = [new]
+    new.grad, params[1].grad = torch.ones_like(new), torch.ones_like(params[1])
+    opt.step()
+    assert opt.state[new]["momentum_buffer"].dtype == torch.float64
+    assert params[0] not in opt.state
+    assert not torch.equal(new.detach(), params[0].detach().double())

@@ -1,0 +1,72 @@
+"""HF Accelerate with FSDP2 on 2 CPU ranks: DMuonFSDP built before ``prepare(model, opt)`` (its
+parameters swapped for the sharded ones) and after, then ``save_state`` / ``load_state`` into a
+fresh model and optimizer. Run under torchrun; rank 0 writes the results to argv[1]."""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import common
+from common import out_path, snapshot, tiny_llama
+from dmuon_fsdp import DMuonFSDP, param_groups
+
+
+def accelerator() -> Accelerator:
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])  # fmt: skip
+    acc = Accelerator(fsdp_plugin=plugin, cpu=True)
+    if acc.distributed_type == DistributedType.MULTI_CPU:  # CPU only: Accelerate keeps FSDP for accelerators
+        acc.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+        acc.state.fsdp_plugin = plugin
+    return acc
+
+
+def train(acc, model, opt, steps) -> list[float]:
+    return common.train(model, opt, steps, acc.process_index, acc.backward)
+
+
+def run(built: str, checkpoint: str):
+    acc = accelerator()
+    model = tiny_llama()
+    if built == "before":  # as Accelerate's docs do it: the optimizer on the unsharded model
+        opt = DMuonFSDP(param_groups(model), ns_dtype=torch.float32)
+        model, opt = acc.prepare(model, opt)
+    else:  # sharded by hand as Accelerate would (Accelerate leaves an FSDP module as it is)
+        mesh = init_device_mesh("cpu", (acc.num_processes,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = DMuonFSDP(param_groups(model), ns_dtype=torch.float32)
+        model, opt = acc.prepare(model, opt)
+    losses = train(acc, model, opt, range(2))
+    acc.save_state(checkpoint)
+    losses += train(acc, model, opt, range(2, 4))
+    return losses, snapshot(model, opt), opt.optimizer.exchange_mesh is not None
+
+
+def resume(checkpoint: str):
+    acc = accelerator()
+    model = tiny_llama(seed=1)  # different weights: all must come from the checkpoint
+    opt = DMuonFSDP(param_groups(model), ns_dtype=torch.float32)
+    model, opt = acc.prepare(model, opt)
+    acc.load_state(checkpoint)
+    return train(acc, model, opt, range(2, 4)), snapshot(model, opt)
+
+
+def main():
+    results = {}
+    for built in ("before", "after"):
+        results[built] = run(built, f"{out_path()}.{built}")
+        results[f"{built}-resumed"] = resume(f"{out_path()}.{built}")
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out_path())
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

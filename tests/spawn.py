@@ -41,9 +41,11 @@ def _rank_main(
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-    # Done and saved: leave without interpreter finalization. Rarely (2 of ~60 recipe runs here),
-    # a finished rank aborted there with "terminate called without an active exception" from a
-    # native thread, after its process group was destroyed; errors raised by fn still propagate.
+    # Done and saved: leave without interpreter finalization. A gloo worker thread can release
+    # the last reference to a finished collective's tensors late, after finalization began; the
+    # release needs the GIL, CPython ends the thread instead, and the unwind through a noexcept
+    # destructor aborts ("terminate called without an active exception"; core dump in issue 11).
+    # Errors raised by fn still propagate.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

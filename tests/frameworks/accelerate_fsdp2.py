@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import common
-from common import out_path, snapshot, tiny_llama
+from common import finish, out_path, snapshot, tiny_llama
 from dmuon_fsdp import DMuonFSDP, param_groups
 
 
@@ -63,9 +63,7 @@ def main():
     for built in ("before", "after"):
         results[built] = run(built, f"{out_path()}.{built}")
         results[f"{built}-resumed"] = resume(f"{out_path()}.{built}")
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, out_path())
-    torch.distributed.destroy_process_group()
+    finish(results, out_path())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
-from common import batch, out_path, snapshot, tiny_llama, train
+from common import batch, finish, out_path, snapshot, tiny_llama, train
 from dmuon_fsdp import DMuonFSDP, param_groups
 
 
@@ -76,9 +76,7 @@ def main():
               "fabric-resumed": fabric_run(fabric, f"{path}.fabric", 1, True)}  # fmt: skip
     result["trainer"] = trainer_run(f"{path}.trainer", 0, None)
     result["trainer-resumed"] = trainer_run(f"{path}.trainer2", 1, f"{path}.trainer/epoch=1-step=2.ckpt")
-    if torch.distributed.get_rank() == 0:
-        torch.save(result, path)
-    torch.distributed.destroy_process_group()
+    finish(result, path)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainingArguments
 
-from common import batch, out_path, snapshot, tiny_llama
+from common import batch, finish, out_path, snapshot, tiny_llama
 from dmuon_fsdp import DMuonFSDP
 
 
@@ -57,9 +57,7 @@ def main():
     resumed = trainer(tiny_llama(seed=1), output_dir)
     resumed.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-2"))
     result.update(resumed_losses=losses(resumed), resumed_snapshot=snapshot(resumed.model, resumed.optimizer.optimizer))
-    if torch.distributed.get_rank() == 0:
-        torch.save(result, out_path())
-    torch.distributed.destroy_process_group()
+    finish(result, out_path())
 
 
 if __name__ == "__main__":

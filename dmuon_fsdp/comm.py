@@ -3,12 +3,16 @@
 ``launch`` starts one ``all_to_all_single`` on the buffers and split sizes it is handed (both in
 process-group rank order, as ``dmuon_fsdp.schedule`` lays them out) and returns a handle to
 wait on. The small collectives here serve rare paths only: agreeing on a plan when it is built,
-and sharing per-parameter findings for an error message.
+and sharing per-parameter findings for an error message. Every collective runs on views of its
+buffers, and on CPU returns only once gloo's worker thread has let go of them (``settle``), so
+that no release is left for interpreter exit.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,23 +22,60 @@ from torch.distributed.device_mesh import DeviceMesh
 
 @dataclass
 class Handle:
-    """An all-to-all in flight. Holds its buffers, so they outlive the asynchronous collective."""
+    """A collective in flight on ``buffers`` (held here, so they outlive it; the collective
+    itself got fresh views of them, see ``settle``). ``references``: their storages' reference
+    counts without those views."""
 
-    send: Tensor
-    receive: Tensor
-    work: dist.Work
+    buffers: tuple[Tensor, ...]
+    work: dist.Work | None
+    references: tuple[int, ...]
 
     def wait(self) -> Tensor:
-        self.work.wait()
-        return self.receive
+        """The last buffer (an all-to-all's receive), once the collective completed (again: at once)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            settle(self.buffers, self.references)
+        return self.buffers[-1]
+
+
+_RELEASE_TIMEOUT_S = 10.0  # a worker that keeps the views longer is left to release them later
+
+
+def _references(buffers: tuple[Tensor, ...]) -> tuple[int, ...]:
+    return tuple(torch._C._storage_Use_Count(b.untyped_storage()._cdata) for b in buffers)
+
+
+def settle(buffers: tuple[Tensor, ...], references: tuple[int, ...]) -> None:
+    """After a completed collective on CPU (gloo), wait until its worker thread has dropped its
+    views of ``buffers``. It drops them whenever it next runs; if that is after the interpreter
+    began finalizing (a job whose last collective was this one), the release needs the GIL,
+    CPython ends the thread instead, the unwind meets a noexcept destructor and the process
+    aborts ("terminate called without an active exception"). Accelerator backends release work
+    on their own schedule (waiting would stall the host); their views are left to them."""
+    if not buffers or buffers[0].device.type != "cpu":
+        return
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    while _references(buffers) > references and time.monotonic() < deadline:
+        time.sleep(0)  # lets the worker thread take the GIL it needs for the release
+
+
+def _start(collective, buffers: tuple[Tensor, ...], *args: Any, **kwargs: Any) -> Handle:
+    """``collective(*views of buffers, *args, async_op=True, **kwargs)`` as a Handle."""
+    references = _references(buffers)
+    work = collective(*(b.view(b.shape) for b in buffers), *args, async_op=True, **kwargs)
+    return Handle(buffers, work, references)
 
 
 def launch(send: Tensor, receive: Tensor, send_counts: list[int], receive_counts: list[int],
            group: dist.ProcessGroup) -> Handle:  # fmt: skip
     """Start ``all_to_all_single``: ``send_counts[g]`` elements of ``send`` to group rank g and
     ``receive_counts[g]`` from it into ``receive``."""
-    work = dist.all_to_all_single(receive, send, receive_counts, send_counts, group=group, async_op=True)
-    return Handle(send, receive, work)
+
+    def all_to_all(send_view, receive_view, **kwargs):
+        return dist.all_to_all_single(receive_view, send_view, receive_counts, send_counts, **kwargs)
+
+    return _start(all_to_all, (send, receive), group=group)
 
 
 @dataclass(frozen=True)
@@ -85,8 +126,7 @@ def default_rank() -> int:
 
 def all_max(values: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Element-wise maximum of ``values`` over the group (in place, and returned)."""
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return values
+    return _start(dist.all_reduce, (values,), op=dist.ReduceOp.MAX, group=group).wait()
 
 
 def all_rows(row: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -94,5 +134,4 @@ def all_rows(row: Tensor, group: dist.ProcessGroup) -> Tensor:
     each rank fills in its own row. For rare paths such as error messages."""
     table = torch.zeros(dist.get_world_size(group), row.numel(), dtype=row.dtype, device=row.device)
     table[dist.get_rank(group)] = row
-    dist.all_reduce(table, group=group)
-    return table
+    return _start(dist.all_reduce, (table,), group=group).wait()

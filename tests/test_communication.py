@@ -144,3 +144,36 @@ def test_step_communication_matches_plan(world_size, overlap, comm_dtype, checks
         assert stats.flag_bytes == r["flags"] * world_size * r["element_size"]
         assert set(stats.seconds) <= set(PHASES) and stats.seconds["newton_schulz"] > 0
     assert sum(r["owned"] for r in results) == results[0]["matrices"]
+
+
+def released_after_wait(rank, world_size):
+    """After ``wait`` returns, gloo's worker thread holds nothing of the buffers any more: their
+    Python reference counts (a C++ holder keeps one on a tensor's Python object) and their
+    storages' counts are where they were before the launch. Returns how many of 200 exchanges
+    left something held."""
+    import sys
+
+    from dmuon_fsdp import comm
+
+    group = comm.exchange_group(None).group
+    held = 0
+    for trial in range(200):
+        send = torch.full((world_size * 3,), float(rank + trial))
+        receive = torch.empty_like(send)
+
+        def counts():
+            return [(sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)) for t in (send, receive)]
+
+        before = counts()
+        handle = comm.launch(send, receive, [3] * world_size, [3] * world_size, group)
+        handle.wait()
+        del handle
+        held += counts() != before
+        assert torch.equal(receive.view(world_size, 3)[:, 0], torch.arange(world_size) + float(trial))
+    return held
+
+
+def test_a_waited_exchange_leaves_nothing_to_release_at_exit():
+    """What keeps a job's exit clean: a release by the worker after interpreter finalization
+    began would abort the process (see dmuon_fsdp.comm.settle)."""
+    assert run_ranks(released_after_wait, 2) == [0, 0]

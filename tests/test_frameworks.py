@@ -1,8 +1,7 @@
 """DMuonFSDP inside the trainers people use, each run as users run it: torchrun, 2 CPU ranks, a tiny
-Llama from a config (scripts in tests/frameworks/). Every run must finish (exit status 0), with
-training and a checkpoint resume that match exactly. The scripts leave with ``os._exit`` after
-``destroy_process_group()`` (see ``common.finish``): clean interpreter exits are measured by
-``scripts/exit_check.py``."""
+Llama from a config (scripts in tests/frameworks/). Every run must exit 0 after a normal
+``destroy_process_group()`` and interpreter exit, with training and a checkpoint resume that match
+exactly."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ HERE = os.path.join(os.path.dirname(__file__), "frameworks")
 
 
 def torchrun(script: str, tmp_path) -> dict:
-    """Run ``script`` on 2 ranks; its exit status must be 0."""
+    """Run ``script`` on 2 ranks; its exit status must be 0 (a clean teardown and exit)."""
     out = str(tmp_path / "result.pt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip

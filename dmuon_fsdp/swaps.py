@@ -87,17 +87,17 @@ def _check_movable(name: str, old_dtype: torch.dtype, new_dtype: torch.dtype, me
 
 def placed_like(value: Tensor, param: Tensor) -> Tensor:
     """``value`` (a state tensor shaped like ``param``: plain, or a DTensor on any mesh) laid out
-    and typed like ``param``, with the same values. A DTensor laid out differently is gathered
-    over its mesh (a collective: every rank replaces the same parameters); the result owns its
-    storage, so the full copy is freed."""
-    if isinstance(value, DTensor) and isinstance(param, DTensor) and (value.device_mesh, value.placements) == (
-        param.device_mesh, param.placements
-    ):  # fmt: skip
-        return value.to(dtype=param.dtype)
-    full = value.full_tensor() if isinstance(value, DTensor) else value
-    full = full.to(device=param.device, dtype=param.dtype)
+    and typed like ``param``, with the same values; the result owns its storage. A DTensor on
+    ``param``'s mesh moves by DTensor's redistribute (Replicate -> Shard is a local slice, a
+    change of shard dim an all-to-all); only one on another mesh is gathered whole. Both are
+    collectives over the mesh, so every rank must replace the same parameters (frameworks do)."""
+    if isinstance(value, DTensor):
+        if isinstance(param, DTensor) and value.device_mesh == param.device_mesh:
+            value = value.redistribute(param.device_mesh, param.placements)
+        else:
+            value = value.full_tensor()
+    if isinstance(param, DTensor) and not isinstance(value, DTensor):  # DTensor's rule, no communication
+        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     out = torch.empty_like(param, memory_format=torch.preserve_format)
-    if isinstance(param, DTensor):  # each rank keeps its own part: DTensor's rule, no communication
-        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    local_shard(out).copy_(local_shard(full))
+    local_shard(out).copy_(local_shard(value))
     return out

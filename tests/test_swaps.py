@@ -72,14 +72,15 @@ def swapped_versus_built_after(rank, world_size, steps_before):
     _swap_like_accelerate(opt, _shard(model), names)
     state = opt.state_dict()  # follows the swap, as the next step would
     moved = _snapshot(model, opt)
+    placed = _placed_like_params(model, opt)
     reference = _model()
     reference.load_state_dict({k: v for k, v in before.items() if ":" not in k})
     ref_opt = DMuonFSDP(param_groups(_shard(reference)), ns_dtype=torch.float32)
     if steps_before:
         ref_opt.load_state_dict(copy.deepcopy(state))  # torch would share the tensors
     steps = range(steps_before, steps_before + 3)
-    return before, moved, _train(model, opt, steps), _train(reference, ref_opt, steps), _snapshot(model, opt), \
-        _snapshot(reference, ref_opt)
+    return before, moved, placed, _train(model, opt, steps), _train(reference, ref_opt, steps), \
+        _snapshot(model, opt), _snapshot(reference, ref_opt)
 
 
 def _placed_like_params(model, opt) -> bool:
@@ -97,7 +98,8 @@ def swapped_fresh_and_after_steps(rank, world_size):
 def test_swapped_parameters_continue_like_an_optimizer_built_after_sharding(world_size):
     """Swapped before any step (state made anew) and after 2 steps (state moved)."""
     results = [case for rank in run_ranks(swapped_fresh_and_after_steps, world_size) for case in rank]
-    for before, moved, losses, ref_losses, after, ref_after in results:
+    for before, moved, placed, losses, ref_losses, after, ref_after in results:
+        assert placed  # every state tensor laid out like its new parameter
         assert before.keys() == moved.keys()
         for key in before:  # parameters untouched; state moved exactly (or made anew: zeros)
             assert torch.equal(moved[key], before[key]), key

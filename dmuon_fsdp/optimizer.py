@@ -195,9 +195,7 @@ class DMuonFSDP(Optimizer):
         except Exception:
             del self.param_groups[count:]
             raise
-        if meshes != self._muon_meshes:
-            self._mesh, self._exchange = validation.exchange_mesh(meshes), None
-        self._muon_meshes = meshes
+        self._set_meshes(meshes)
         self._names.update(names)
         for g in range(count, len(self.param_groups)):
             for p in self.param_groups[g]["params"]:
@@ -205,6 +203,13 @@ class DMuonFSDP(Optimizer):
                 self._params.append(p)
                 self._init_state(p, self.param_groups[g]["use_muon"])
         self._programs.current = None
+
+    def _set_meshes(self, meshes: dict[Any, str]) -> None:
+        """The Muon parameters' meshes (see ``validation.check_new_groups``); a new exchange mesh
+        drops the group made for the old one."""
+        if meshes != self._muon_meshes:
+            self._mesh, self._exchange = validation.exchange_mesh(meshes), None
+        self._muon_meshes = meshes
 
     def _init_state(self, p: Tensor, use_muon: bool) -> None:
         zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -236,9 +241,7 @@ class DMuonFSDP(Optimizer):
                 self._init_state(new, self.param_groups[g]["use_muon"])
         self._names = names
         self._indexed, self._params = now, current
-        if meshes != self._muon_meshes:
-            self._mesh, self._exchange = validation.exchange_mesh(meshes), None
-        self._muon_meshes = meshes
+        self._set_meshes(meshes)
         self._programs.current = None
 
     def state_dict(self) -> dict[str, Any]:

@@ -2,10 +2,14 @@
 
 Model and optimizer state are saved as sharded DTensors, so a checkpoint written at one world
 size loads at another. The data position is the step number (batches are a function of it).
+A checkpoint is ``<run dir>/checkpoints/step_NNNNNNN``; it is complete once DCP has written its
+``.metadata`` (the last file a save writes).
 """
 
 from __future__ import annotations
 
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,10 +27,36 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
 
 
+class CheckpointError(Exception):
+    """A checkpoint that could not be read; the message names it."""
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def all_steps(run_dir: str | Path) -> list[Path]:
+    """Every checkpoint directory of a run, complete or not, oldest first."""
+    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir())
+
+
 def latest(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``run_dir`` (DCP writes ``.metadata`` last)."""
-    done = sorted(p.parent for p in (Path(run_dir) / "checkpoints").glob("step_*/.metadata"))
+    """The newest complete checkpoint under ``run_dir``."""
+    done = [p for p in all_steps(run_dir) if is_complete(p)]
     return done[-1] if done else None
+
+
+def prune(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints; returns what was deleted.
+    Incomplete ones are left for the user to look at."""
+    old = [p for p in all_steps(run_dir) if is_complete(p)][:-keep]
+    for path in old:
+        shutil.rmtree(path)
+    return old
 
 
 def _state(model: nn.Module, optimizers: list, schedulers: list, step: int) -> dict:
@@ -43,10 +73,26 @@ def save(path: str | Path, model: nn.Module, optimizers: list, schedulers: list,
     dcp.save(_state(model, optimizers, schedulers, step), checkpoint_id=str(path))
 
 
+def _read(state: dict, path: str | Path, **kwargs) -> None:
+    """``dcp.load`` into ``state``; any failure becomes a CheckpointError naming the checkpoint
+    and the first failing rank's cause (DCP gathers them into a CheckpointException, which is a
+    BaseException, so every rank raises the same error)."""
+    try:
+        dcp.load(state, checkpoint_id=str(path), **kwargs)
+    except (Exception, dcp.CheckpointException) as error:
+        if isinstance(error, dcp.CheckpointException) and error.failures:
+            rank, (error, _) = min(error.failures.items())
+            cause = f"{type(error).__name__}: {error} (rank {rank})"
+        else:
+            cause = f"{type(error).__name__}: {error}"
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {cause.splitlines()[0]}") from error
+
+
 def load(path: str | Path, model: nn.Module, optimizers: list, schedulers: list) -> int:
-    """Restore everything in place; returns the step to continue from."""
+    """Restore everything in place; returns the step to continue from. Raises CheckpointError
+    for a checkpoint DCP cannot read (a missing or corrupt shard, another model)."""
     state = _state(model, optimizers, schedulers, 0)
-    dcp.load(state, checkpoint_id=str(path))
+    _read(state, path)
     set_model_state_dict(model, state["model"])
     for opt, opt_state in zip(optimizers, state["optimizers"]):
         set_optimizer_state_dict(model, opt, opt_state)
@@ -54,3 +100,13 @@ def load(path: str | Path, model: nn.Module, optimizers: list, schedulers: list)
         scheduler.load_state_dict(sched_state)
     torch.set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def load_model(path: str | Path, model: nn.Module) -> None:
+    """Only the model part, into a plain (unsharded) model in one process without a process
+    group, whatever number of ranks wrote the checkpoint (DCP reshards on load)."""
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the point
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        _read(state, path, no_dist=True)
+    model.load_state_dict(state["model"])

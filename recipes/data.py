@@ -23,12 +23,28 @@ VAL_FRACTION = 0.05
 class Corpus:
     """Token streams stored as uint16 bit patterns in int16 tensors (memory-mapped when read
     from a file); ``token_ids`` turns a slice into int64 ids. ``vocab_size`` is None when the
-    corpus does not fix it (a token file: the model preset's vocabulary applies)."""
+    corpus does not fix it (a token file: the model preset's vocabulary applies).
+    ``train_source`` / ``val_source`` name where each stream came from (for error messages) and
+    ``train_max`` / ``val_max`` are their largest token ids (-1 when empty), scanned once at load."""
 
     train: torch.Tensor
     val: torch.Tensor
     vocab_size: int | None
     description: str
+    train_source: str
+    val_source: str
+    train_max: int
+    val_max: int
+    byte_level: bool
+
+
+def largest_token(tokens: torch.Tensor) -> int:
+    """The largest id in a uint16 stream (-1 if empty), in chunks so a memory-mapped file of
+    billions of tokens is never widened whole."""
+    largest = -1
+    for chunk in tokens.split(1 << 24):
+        largest = max(largest, int((chunk.to(torch.int32) & 0xFFFF).max()))
+    return largest
 
 
 def token_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -81,31 +97,41 @@ def stdlib_corpus(cache_dir: str | Path, max_files: int | None = None) -> Corpus
             as_uint16[0::2] = data
             _write_tokens(path, bytes(as_uint16))
     train, val = (_read_uint16(paths[s]) for s in ("train", "val"))
-    return Corpus(train, val, 256, f"python stdlib source, {len(files)} files")
+    description = f"python stdlib source, {len(files)} files"
+    return Corpus(train, val, 256, description, f"{description} (train)", f"{description} (every 20th file)",
+                  largest_token(train), largest_token(val), byte_level=True)  # fmt: skip
 
 
 def token_file_corpus(path: str | Path, vocab_size: int | None = None) -> Corpus:
     """A nanoGPT-style uint16 token file; validation is ``val.bin`` beside it, or its last 5%.
 
-    The file is not scanned for its largest id (it may hold billions of tokens): ``vocab_size``
-    None leaves the vocabulary to the model, and the trainer checks each batch against it."""
+    ``vocab_size`` None leaves the vocabulary to the model; the largest ids of both streams are
+    scanned once here so that the trainer can check them before it builds anything."""
     path = Path(path)
     tokens = _read_uint16(path)
     val_path = path.with_name("val.bin")
     if val_path.exists() and val_path != path:
         train, val = tokens, _read_uint16(val_path)
+        sources = (str(path), str(val_path))
     else:
         cut = int(len(tokens) * (1 - VAL_FRACTION))
         train, val = tokens[:cut], tokens[cut:]
-    return Corpus(train, val, vocab_size, f"token file {path}")
+        sources = (f"{path} (first {1 - VAL_FRACTION:.0%})", f"{path} (last {VAL_FRACTION:.0%})")
+    return Corpus(train, val, vocab_size, f"token file {path}", *sources,
+                  largest_token(train), largest_token(val), byte_level=False)  # fmt: skip
 
 
 def text_corpus(path: str | Path) -> Corpus:
     """A plain text file at byte level; its last 5% is validation."""
     data = Path(path).read_bytes()
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int16)
+    if not data:  # torch.frombuffer refuses an empty buffer
+        tokens = torch.empty(0, dtype=torch.int16)
+    else:
+        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int16)
     cut = int(len(tokens) * (1 - VAL_FRACTION))
-    return Corpus(tokens[:cut], tokens[cut:], 256, f"text file {path}")
+    train, val = tokens[:cut], tokens[cut:]
+    return Corpus(train, val, 256, f"text file {path}", f"{path} (first {1 - VAL_FRACTION:.0%})",
+                  f"{path} (last {VAL_FRACTION:.0%})", largest_token(train), largest_token(val), byte_level=True)  # fmt: skip
 
 
 def batch_for_step(

@@ -4,30 +4,36 @@
 
 CPU: gloo, fp32. CUDA: NCCL with a bf16 MixedPrecisionPolicy. The default corpus is the Python
 standard library's source at byte level (no download); --data takes a nanoGPT uint16 token file
-and --text a plain text file. Writes metrics.jsonl, summary.json and checkpoints to the run dir.
+and --text a plain text file. The run dir gets config.json (every setting), metrics.jsonl (one
+line per step), summary.json (at the end) and checkpoints/step_N. A used run dir is continued
+only with --resume and replaced only with --overwrite. Bad input stops every rank with status 2
+and one "error: ..." line before anything is built or written. `python recipes/pretrain.py`
+without torchrun trains in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
-import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dmuon_fsdp import DMuonFSDP, param_groups  # noqa: E402
-from recipes import checkpoint  # noqa: E402
+from recipes import checkpoint, options, run_dir  # noqa: E402
 from recipes.data import (  # noqa: E402
     Corpus,
     batch_for_step,
@@ -36,58 +42,62 @@ from recipes.data import (  # noqa: E402
     token_file_corpus,
     validation_batches,
 )
-from recipes.model import PRESETS, Transformer, preset  # noqa: E402
-
-DEFAULT_LR = {"dmuon": 0.01, "torch-muon": 0.01, "adamw": 3e-3}  # from scripts/lr_sweep.sh
+from recipes.metrics import MetricsLog, flops_per_token, peak_memory_mb, peak_tflops  # noqa: E402
+from recipes.model import ModelConfig, Transformer, preset  # noqa: E402
+from recipes.options import UsageError  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="cpu-demo", choices=sorted(PRESETS))
-    p.add_argument("--optimizer", default="dmuon", choices=sorted(DEFAULT_LR))
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=16, help="global sequences per optimizer step")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
-    p.add_argument("--tie-embeddings", action="store_true", default=None)
-    p.add_argument("--lr", type=float, default=None, help="peak lr (Muon lr for dmuon/torch-muon)")
-    p.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW lr of embeddings/head/vectors in Muon runs")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--decay", default="cosine", choices=["cosine", "linear"])
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm (0: off)")
-    p.add_argument("--val-every", type=int, default=50)
-    p.add_argument("--val-batches", type=int, default=4)
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end if --save-final)")
-    p.add_argument("--save-final", action="store_true")
-    p.add_argument("--resume", default=None, help="checkpoint dir, or 'auto' for the newest in the run dir")
-    p.add_argument("--run-dir", default=None, help="default: runs/<preset>-<optimizer>")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="HSDP: replicate over this many groups, shard within each (world size / replicas)")
-    p.add_argument("--data", default=None, help="nanoGPT-style uint16 token file")
-    p.add_argument("--text", default=None, help="plain text file, byte-level tokens")
-    p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--cache-dir", default="runs/cache")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank on CPU")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    args.lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
-    args.run_dir = args.run_dir or f"runs/{args.preset}-{args.optimizer}"
-    return args
+    return options.parse_args(argv, __doc__)
 
 
 def load_corpus(args: argparse.Namespace) -> Corpus:
-    if args.data and args.text:
-        raise ValueError("pass at most one of --data and --text")
-    if args.data:
-        return token_file_corpus(args.data, args.vocab_size)
-    if args.text:
-        return text_corpus(args.text)
-    return stdlib_corpus(args.cache_dir)
+    """The corpus the flags name; a missing or malformed file is a UsageError naming the flag."""
+    flag, path = ("--data", args.data) if args.data else ("--text", args.text) if args.text else (None, None)
+    if flag is None:
+        return stdlib_corpus(args.cache_dir)
+    if not Path(path).exists():
+        raise UsageError(f"{flag} {path}: no such file")
+    if not Path(path).is_file():
+        raise UsageError(f"{flag} {path}: not a file")
+    try:
+        return token_file_corpus(path, args.vocab_size) if args.data else text_corpus(path)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{flag} {error}") from error
+
+
+def check_corpus(corpus: Corpus, cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """Both streams fit the model: ids inside the vocabulary, at least one window long."""
+    for split, source, tokens, largest in (("training", corpus.train_source, corpus.train, corpus.train_max),
+                                           ("validation", corpus.val_source, corpus.val, corpus.val_max)):  # fmt: skip
+        if largest >= cfg.vocab_size:
+            raise UsageError(f"{split} data {source}: token id {largest} is outside the vocabulary of "
+                             f"{cfg.vocab_size} (preset {args.preset}); pass --vocab-size {largest + 1} or more")  # fmt: skip
+        if len(tokens) <= cfg.seq_len + 1:
+            raise UsageError(f"{split} data {source}: {len(tokens)} tokens are too few for one window of "
+                             f"--seq-len + 1 = {cfg.seq_len + 1}")  # fmt: skip
+
+
+@dataclass
+class Setup:
+    corpus: Corpus
+    cfg: ModelConfig
+    start: run_dir.RunStart
+
+
+def prepare(args: argparse.Namespace, world_size: int) -> Setup:
+    """Every check that needs no process group, in the order a user would fix them; reads only."""
+    options.check_numbers(args, world_size)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device here")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("--tensorboard needs the tensorboard package (pip install tensorboard)")
+    corpus = load_corpus(args)
+    cfg = preset(args.preset, seq_len=args.seq_len, vocab_size=args.vocab_size or corpus.vocab_size,
+                 tie_embeddings=args.tie_embeddings)  # fmt: skip
+    check_corpus(corpus, cfg, args)
+    config = run_dir.make_config(args, world_size, corpus.description, corpus.byte_level, cfg)
+    return Setup(corpus, cfg, run_dir.plan_start(args, config))
 
 
 def build_optimizers(args: argparse.Namespace, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
@@ -118,7 +128,10 @@ def lr_factor(args: argparse.Namespace):
 def setup_distributed(args: argparse.Namespace) -> torch.device:
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group("nccl" if cuda else "gloo")
+        else:  # plain `python recipes/pretrain.py`: one process
+            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
         torch.cuda.set_device(device)
@@ -128,15 +141,12 @@ def setup_distributed(args: argparse.Namespace) -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> Transformer:
-    cfg = preset(args.preset, seq_len=args.seq_len, vocab_size=vocab_size, tie_embeddings=args.tie_embeddings)
+def build_model(args: argparse.Namespace, cfg: ModelConfig, device: torch.device) -> Transformer:
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
     # An explicit mesh: without one FSDP2 uses the machine's accelerator even for a gloo CPU run.
     world = dist.get_world_size()
-    if world % args.replicas:
-        raise ValueError(f"--replicas {args.replicas} does not divide the world size {world}")
     if args.replicas > 1:
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     else:
@@ -152,12 +162,6 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
     return model
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 @torch.no_grad()
 def evaluate(model, batches, device) -> float:
     total = torch.zeros((), device=device)
@@ -167,51 +171,63 @@ def evaluate(model, batches, device) -> float:
     return total.item() / (len(batches) * dist.get_world_size())
 
 
+def gradient_norm(model: torch.nn.Module, clip: float) -> float:
+    """The global gradient norm before clipping; clips to ``clip`` when it is positive."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):  # sharded gradients: the norm's square is a partial sum
+        norm = norm.full_tensor()
+    if clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, clip, norm)
+    return norm.item()
+
+
 def train(args: argparse.Namespace) -> dict:
-    """Run training; returns {"losses": {step: loss}, "val": {step: val_loss}} (same on every rank)."""
+    """Run training; returns {"losses": {step: loss}, "val": {step: val_loss}} (same on every rank).
+    Bad input raises UsageError before the model is built and before anything is written."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    setup = prepare(args, world)
     device = setup_distributed(args)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    corpus = load_corpus(args)
-    model = build_model(args, args.vocab_size or corpus.vocab_size, device)
-    seq_len = model.cfg.seq_len
-    if args.batch_size % (world * args.grad_accum):
-        raise ValueError(f"--batch-size {args.batch_size} must divide by ranks x --grad-accum ({world * args.grad_accum})")
+    rank = dist.get_rank()
+    corpus, cfg, start = setup.corpus, setup.cfg, setup.start
+    model = build_model(args, cfg, device)
     optimizers = build_optimizers(args, model)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args)) for opt in optimizers]
-    run_dir = Path(args.run_dir)
-    start = 0
-    resume = checkpoint.latest(run_dir) if args.resume == "auto" else args.resume
-    if resume:
-        start = checkpoint.load(resume, model, optimizers, schedulers)
-    val_data = validation_batches(corpus.val, seq_len, max(1, args.batch_size // world), args.val_batches, rank, world)
-    metrics = None
+    if start.checkpoint is not None:  # before the run dir changes: a bad checkpoint leaves it as it was
+        checkpoint.load(start.checkpoint, model, optimizers, schedulers)
+    say, elapsed = print, 0.0
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        metrics = open(run_dir / "metrics.jsonl", "a" if resume else "w")
-        resuming = f"; resuming from step {start}" if resume else ""
+        elapsed = run_dir.begin(start)
+        for note in start.notes:
+            print(note, flush=True)
+    dist.barrier()  # every rank writes checkpoints into the run dir rank 0 has just set up
+    val_data = validation_batches(corpus.val, cfg.seq_len, max(1, args.batch_size // world), args.val_batches, rank, world)
+    log = progress = None
+    flops = flops_per_token(cfg)
+    peak = peak_tflops(device, args.peak_tflops)
+    if rank == 0:
+        log = MetricsLog(start.run_dir, args.tensorboard, start.step + 1)
+        resuming = f"; resuming from {start.checkpoint} (step {start.step})" if start.checkpoint else ""
         print(f"{args.optimizer}: {model.num_params() / 1e6:.2f}M parameters, {world} ranks on {device}, "
-              f"{corpus.description}{resuming}", flush=True)  # fmt: skip
-    progress = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
+              f"{corpus.description}, run dir {start.run_dir}{resuming}", flush=True)  # fmt: skip
+        if not args.no_progress:
+            from tqdm import tqdm
 
-        progress = tqdm(total=args.steps, initial=start, desc=args.optimizer, dynamic_ncols=True)
+            progress = tqdm(total=args.steps, initial=start.step, desc=args.optimizer, dynamic_ncols=True)
+            say = progress.write
     history: dict = {"losses": {}, "val": {}}
     fb_times, opt_times = [], []
-    for step in range(start, args.steps):
+    began = time.perf_counter()
+    for step in range(start.step, args.steps):
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
-        inputs, targets = batch_for_step(corpus.train, seq_len, args.batch_size, args.seed, step, rank, world)
-        if int(targets.max()) >= model.cfg.vocab_size or int(inputs.max()) >= model.cfg.vocab_size:
-            raise ValueError(f"token id {int(max(inputs.max(), targets.max()))} at step {step} is outside the "
-                             f"vocabulary ({model.cfg.vocab_size}); pass --vocab-size")  # fmt: skip
+        inputs, targets = batch_for_step(corpus.train, cfg.seq_len, args.batch_size, args.seed, step, rank, world)
         for m, (x, y) in enumerate(zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum))):
             model.set_requires_gradient_sync(m == args.grad_accum - 1)
             loss = model(x.to(device), y.to(device)) / args.grad_accum
             loss.backward()
             loss_sum += loss.detach()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        grad_norm = gradient_norm(model, args.clip)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -230,50 +246,74 @@ def train(args: argparse.Namespace) -> dict:
         history["losses"][step + 1] = train_loss
         fb_times.append(t1 - t0)
         opt_times.append(t2 - t1)
-        record = {"step": step + 1, "train_loss": train_loss, "lr": lr,
-                  "fwd_bwd_ms": 1e3 * (t1 - t0), "opt_ms": 1e3 * (t2 - t1),
-                  "tokens_per_s": args.batch_size * seq_len / (t2 - t0)}  # fmt: skip
+        tokens_per_s = args.batch_size * cfg.seq_len / (t2 - t0)
+        tflops = flops * tokens_per_s / world / 1e12
+        record = {"step": step + 1, "train_loss": train_loss, "grad_norm": grad_norm, "lr": lr,
+                  "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops,
+                  "fwd_bwd_ms": 1e3 * (t1 - t0), "opt_ms": 1e3 * (t2 - t1), "peak_memory_mb": peak_memory_mb(device)}  # fmt: skip
+        if peak:
+            record["mfu"] = tflops / peak
         if (step + 1) % args.val_every == 0 or step + 1 == args.steps:
             record["val_loss"] = history["val"][step + 1] = evaluate(model, val_data, device)
-        if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+        if log:
+            record["time_s"] = elapsed + time.perf_counter() - began
+            log.write(record)
         if progress:
-            progress.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+            progress.set_postfix(loss=f"{train_loss:.3f}", gnorm=f"{grad_norm:.2f}", tok_s=f"{tokens_per_s:.0f}",
                                  fb_ms=f"{record['fwd_bwd_ms']:.0f}", opt_ms=f"{record['opt_ms']:.1f}")  # fmt: skip
             progress.update(1)
         if (args.save_every and (step + 1) % args.save_every == 0) or (args.save_final and step + 1 == args.steps):
-            checkpoint.save(checkpoint.step_dir(run_dir, step + 1), model, optimizers, schedulers, step + 1)
+            path = checkpoint.step_dir(start.run_dir, step + 1)
+            checkpoint.save(path, model, optimizers, schedulers, step + 1)
+            if rank == 0:
+                say(f"saved checkpoint step {step + 1} to {path}")
+                for old in checkpoint.prune(start.run_dir, args.keep_last) if args.keep_last else []:
+                    say(f"deleted checkpoint {old} (--keep-last {args.keep_last})")
     if progress:
         progress.close()
     memory = [None] * world
     dist.all_gather_object(memory, peak_memory_mb(device))
     if rank == 0 and fb_times:
-        step_ms = [1e3 * (a + b) for a, b in zip(fb_times, opt_times)]
-        skip = min(5, len(step_ms) - 1)  # warm-up steps
-        summary = {
-            "name": run_dir.name, "optimizer": args.optimizer, "preset": args.preset, "world_size": world,
-            "device": device.type, "steps": args.steps, "params": model.num_params(), "lr": args.lr,
-            "final_val_loss": history["val"].get(args.steps),
-            "median_step_ms": statistics.median(step_ms[skip:]),
-            "median_opt_ms": 1e3 * statistics.median(opt_times[skip:]),
-            "median_fwd_bwd_ms": 1e3 * statistics.median(fb_times[skip:]),
-            "peak_memory_mb": memory,
-        }  # fmt: skip
-        summary["optimizer_share"] = summary["median_opt_ms"] / summary["median_step_ms"]
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"{args.optimizer}: final val loss {summary['final_val_loss']}, median step "
-              f"{summary['median_step_ms']:.1f} ms, optimizer share {summary['optimizer_share']:.1%}", flush=True)  # fmt: skip
-    if metrics:
-        metrics.close()
+        write_summary(args, start.run_dir, model, history, fb_times, opt_times, memory, device)
+    if log:
+        log.close()
     return history
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    train(args)
-    dist.destroy_process_group()
+def write_summary(args, directory: Path, model, history: dict, fb_times: list, opt_times: list, memory: list,
+                  device: torch.device) -> None:  # fmt: skip
+    step_ms = [1e3 * (a + b) for a, b in zip(fb_times, opt_times)]
+    skip = min(5, len(step_ms) - 1)  # warm-up steps
+    summary = {
+        "name": directory.name, "optimizer": args.optimizer, "preset": args.preset, "world_size": len(memory),
+        "device": device.type, "steps": args.steps, "params": model.num_params(), "lr": args.lr,
+        "final_val_loss": history["val"].get(args.steps),
+        "median_step_ms": statistics.median(step_ms[skip:]),
+        "median_opt_ms": 1e3 * statistics.median(opt_times[skip:]),
+        "median_fwd_bwd_ms": 1e3 * statistics.median(fb_times[skip:]),
+        "peak_memory_mb": memory,
+    }  # fmt: skip
+    summary["optimizer_share"] = summary["median_opt_ms"] / summary["median_step_ms"]
+    (directory / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"{args.optimizer}: final val loss {summary['final_val_loss']}, median step "
+          f"{summary['median_step_ms']:.1f} ms, optimizer share {summary['optimizer_share']:.1%}", flush=True)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train; returns the exit status: 0, or 2 for bad input and 1 for an unreadable checkpoint
+    (one ``error: ...`` line from rank 0; every rank returns the same status)."""
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        train(parse_args(argv))
+        return 0
+    except (UsageError, checkpoint.CheckpointError) as error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2 if isinstance(error, UsageError) else 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

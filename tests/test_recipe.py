@@ -53,6 +53,7 @@ def test_token_file_and_text_corpora(tmp_path):
     (tmp_path / "train.bin").write_bytes(bytes(raw))
     corpus = data.token_file_corpus(tmp_path / "train.bin")
     assert torch.equal(data.token_ids(torch.cat([corpus.train, corpus.val])), tokens.long())
+    assert (corpus.train_max, corpus.val_max) == (int(tokens[:950].max()), int(tokens[950:].max()))
     assert corpus.vocab_size is None and data.token_file_corpus(tmp_path / "train.bin", 60000).vocab_size == 60000
     (tmp_path / "val.bin").write_bytes(bytes(raw[:200]))
     assert torch.equal(data.token_ids(data.token_file_corpus(tmp_path / "train.bin").val), tokens[:100].long())
@@ -77,17 +78,60 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.mark.parametrize("optimizer", ["dmuon", "torch-muon"])
-def test_smoke_two_ranks(tmp_path, cache, optimizer):
-    history = run_ranks(run_recipe, 2, tmp_path, cache, ["--optimizer", optimizer])[0]
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_smoke_run(run_dir: Path, history: dict, optimizer: str, extra: list[str]) -> list[dict]:
     losses = [history["losses"][s] for s in range(1, 9)]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.05, f"loss should fall: {losses}"
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and 0 < summary["optimizer_share"] < 1
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 9))
-    assert [r["step"] for r in records if "val_loss" in r] == [4, 8]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["world_size"] == 2 and config["args"]["optimizer"] == optimizer
+    assert config["tokens_per_step"] == 8 * 32 and config["loss_unit"] == "nats per byte"
+    logged = records(run_dir)
+    assert [r["step"] for r in logged] == list(range(1, 9))
+    assert [r["step"] for r in logged if "val_loss" in r] == [4, 8]
+    assert [r["train_loss"] for r in logged] == losses
+    times = [r["time_s"] for r in logged]
+    assert times == sorted(times) and all(r["grad_norm"] > 0 and r["tflops_per_rank"] > 0 for r in logged)
+    if "--peak-tflops" in extra:
+        assert all(r["mfu"] == pytest.approx(r["tflops_per_rank"] / 0.5) for r in logged)
+        assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
+    else:
+        assert "mfu" not in logged[0] and not (run_dir / "tensorboard").exists()
+    return logged
+
+
+def test_smoke_two_ranks_and_the_logged_gradient_norm_is_before_clipping(tmp_path, cache):
+    runs = {"dmuon": ["--tensorboard", "--peak-tflops", "0.5", "--clip", "1e-3"], "torch-muon": ["--clip", "0"]}
+    first_norms = []
+    for optimizer, extra in runs.items():
+        history = run_ranks(run_recipe, 2, tmp_path / optimizer, cache, ["--optimizer", optimizer, *extra])[0]
+        first_norms.append(check_smoke_run(tmp_path / optimizer, history, optimizer, extra)[0]["grad_norm"])
+    # Same model and first batch: the first norm is the same whether it is then clipped or not.
+    assert first_norms[0] == pytest.approx(first_norms[1], rel=1e-6) and first_norms[0] > 1e-2
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_flops_per_token_counts_what_runs(tie):
+    # The math SDPA backend runs the whole T x T attention as bmm, so torch's flop counter sees
+    # exactly the matmuls the formula counts (PaLM's 6 N + 12 L d T).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from recipes.metrics import flops_per_token, matmul_params
+    from recipes.model import Transformer, preset
+
+    cfg = preset("tiny", tie_embeddings=tie)
+    model = Transformer(cfg)
+    assert matmul_params(cfg) == sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, tokens).backward()
+    assert counter.get_total_flops() == flops_per_token(cfg) * tokens.numel()
 
 
 def _continued_losses(history):
@@ -102,6 +146,32 @@ def test_resume_continues_exactly(tmp_path, cache, optimizer, layout):
     assert sorted(resumed["losses"]) == [5, 6, 7, 8]
     for a, b in zip(_continued_losses(full), _continued_losses(resumed)):
         assert abs(a - b) <= 1e-6 * abs(a), (a, b)
+
+
+def test_resume_in_place_skips_a_partial_checkpoint_and_cuts_the_metrics_back(tmp_path, cache):
+    first = run_ranks(run_recipe, 2, tmp_path, cache, ["--save-every", "2", "--keep-last", "2"])[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000006", "step_0000008"]
+    run_id = json.loads((tmp_path / "config.json").read_text())["run_id"]
+    (tmp_path / "checkpoints/step_0000008/.metadata").unlink()  # as if the last save was cut short
+    again = run_ranks(run_recipe, 2, tmp_path, cache, ["--resume", str(tmp_path), "--save-every", "2", "--keep-last", "2"])[0]
+    assert sorted(again["losses"]) == [7, 8]
+    for step in (7, 8):
+        assert abs(again["losses"][step] - first["losses"][step]) <= 1e-6 * first["losses"][step]
+    logged = records(tmp_path)
+    assert [r["step"] for r in logged] == list(range(1, 9)), "metrics cut back to step 6, then 7 and 8"
+    assert [r["time_s"] for r in logged] == sorted(r["time_s"] for r in logged)
+    assert json.loads((tmp_path / "config.json").read_text())["run_id"] == run_id
+    assert (tmp_path / "checkpoints/step_0000008/.metadata").is_file(), "the partial save is redone"
+    # The 2-rank checkpoint, loaded whole in this process (as recipes/sample.py does), gives the
+    # validation loss the run logged at step 8: the same 8 windows, here in one batch.
+    from recipes import checkpoint
+    from recipes.model import Transformer, preset
+
+    model = Transformer(preset("tiny"))
+    checkpoint.load_model(tmp_path / "checkpoints/step_0000008", model)
+    (x, y), = data.validation_batches(data.stdlib_corpus(cache).val, 32, 8, 1, rank=0, world_size=1)
+    with torch.no_grad():
+        assert float(model(x, y)) == pytest.approx(again["val"][8], rel=1e-5)
 
 
 def test_resume_at_a_different_world_size(tmp_path, cache):

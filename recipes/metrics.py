@@ -1,0 +1,77 @@
+"""What the recipe logs each step: model flops, MFU, peak memory, and the metrics file itself.
+
+metrics.jsonl is the source of truth (one JSON object per step); TensorBoard, when asked for,
+gets the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import torch
+
+from recipes.model import ModelConfig
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets, matched
+# against torch.cuda.get_device_name; the first match wins, so the PCIe H100 comes first.
+GPU_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("B200", 2250.0),
+                   ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0))  # fmt: skip
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights used in a matmul per token: every Linear of the blocks and the output head (the
+    input embedding is a lookup; a tied one is counted once, as the head)."""
+    head_dim = cfg.dim // cfg.n_heads
+    attention = 2 * cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * cfg.n_kv_heads * head_dim
+    return cfg.n_layers * (attention + 3 * cfg.dim * cfg.ffn_dim) + cfg.dim * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig) -> int:
+    """Training flops per token, forward and backward: 6 N for the weights plus 12 L d T for the
+    attention scores and values (PaLM's count: the whole T x T matrix, though causal attention
+    needs half of it)."""
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.dim * cfg.seq_len
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    """One device's peak for MFU: ``override`` (--peak-tflops), else a known GPU's bf16 peak,
+    else None (CPU, unknown GPU: MFU is not logged)."""
+    if override is not None or device.type != "cuda":
+        return override
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_PEAK_TFLOPS if key in name), None)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This rank's peak: the CUDA allocator's, or the process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class MetricsLog:
+    """Appends records to ``run_dir/metrics.jsonl`` and, with ``tensorboard``, writes them as
+    scalars to ``run_dir/tensorboard`` (events after ``first_step`` from an earlier try are purged)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, first_step: int):
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.writer:
+            self.writer.close()

@@ -1,0 +1,168 @@
+"""The run directory: one run's config.json, metrics.jsonl, summary.json and checkpoints.
+
+``plan_start`` decides, reading only, where a run starts: fresh, or from which checkpoint, and
+refuses (UsageError) to mix two runs in one directory or to resume a run of another model, data
+or optimizer. ``begin`` then carries the decision out on rank 0: deletes an earlier run on
+--overwrite, writes config.json and cuts metrics.jsonl back to the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipes import checkpoint
+from recipes.model import ModelConfig
+from recipes.options import UsageError
+
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard")
+
+
+@dataclass
+class RunStart:
+    run_dir: Path
+    checkpoint: Path | None  # resume from it, or start fresh
+    step: int  # steps already done
+    continues_run: bool  # the run dir's own run goes on: its metrics are cut back to ``step``
+    delete: list[Path]  # an earlier run's files (--overwrite), incomplete checkpoints past ``step``
+    notes: list[str]  # printed by rank 0
+    config: dict  # written to config.json
+
+
+def make_config(args: argparse.Namespace, world_size: int, data: str, byte_level: bool, model: ModelConfig) -> dict:
+    return {
+        "run_id": uuid.uuid4().hex[:12],
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": world_size,
+        "args": vars(args),
+        "data": data,
+        "loss_unit": "nats per byte" if byte_level else "nats per token",
+        "tokens_per_step": args.batch_size * model.seq_len,
+        "model": dataclasses.asdict(model),
+    }
+
+
+def _differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """(differences that make a resume wrong, other changed settings), each 'what: old -> new'."""
+    pairs = [("preset", old["args"]["preset"], new["args"]["preset"]), ("data", old["data"], new["data"]),
+             ("vocabulary", old["model"]["vocab_size"], new["model"]["vocab_size"]),
+             ("optimizer", old["args"]["optimizer"], new["args"]["optimizer"])]  # fmt: skip
+    if old["args"]["preset"] == new["args"]["preset"]:  # else the preset says it all
+        pairs += [(k, old["model"].get(k), v) for k, v in new["model"].items() if k != "vocab_size"]
+    wrong = [f"{what} {a} -> {b}" for what, a, b in pairs if a != b]
+    ignored = {"resume", "overwrite", "run_dir", "steps", "no_progress", "save_every", "save_final", "keep_last"}
+    changed = [f"--{k.replace('_', '-')} {old['args'].get(k)} -> {v}" for k, v in new["args"].items()
+               if k not in ignored and k in old["args"] and old["args"][k] != v]  # fmt: skip
+    if old["world_size"] != new["world_size"]:
+        changed.append(f"ranks {old['world_size']} -> {new['world_size']}")
+    return wrong, changed
+
+
+def _resolve(target: Path) -> Path:
+    """The checkpoint ``--resume target`` names: a step directory, or a run directory's newest
+    complete one."""
+    if not target.is_dir():
+        raise UsageError(f"--resume {target}: no such directory")
+    if checkpoint.is_complete(target):
+        return target
+    if target.name.startswith("step_"):
+        raise UsageError(f"--resume {target}: incomplete checkpoint (no .metadata: its save did not finish)")
+    newest = checkpoint.latest(target)
+    if newest is None:
+        steps = checkpoint.all_steps(target)
+        what = f"only incomplete ones: {', '.join(p.name for p in steps)}" if steps else "none"
+        raise UsageError(f"--resume {target}: no complete checkpoint under {target / 'checkpoints'} ({what})")
+    return newest
+
+
+def _read_config(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"{path} is not valid JSON ({error}); move it away or pass --overwrite") from error
+
+
+def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
+    """Where this run starts; raises UsageError naming the flag and path. Reads, never writes."""
+    run_dir = Path(args.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--run-dir {run_dir} is a file, not a directory")
+    used = [name for name in RUN_FILES if (run_dir / name).exists()]
+    notes: list[str] = []
+    delete: list[Path] = []
+    found = checkpoint.latest(run_dir) if args.resume == "auto" else _resolve(Path(args.resume)) if args.resume else None
+    source_dir = found.parent.parent if found is not None and found.parent.name == "checkpoints" else None
+    continues_run = args.resume == "auto" or (source_dir is not None and source_dir.resolve() == run_dir.resolve())
+    if source_dir is not None:
+        newer = [p for p in checkpoint.all_steps(source_dir) if p.name > found.name]
+        if continues_run and any(map(checkpoint.is_complete, newer)):
+            raise UsageError(f"--resume {args.resume}: {run_dir} has newer complete checkpoints "
+                             f"({', '.join(p.name for p in newer if checkpoint.is_complete(p))}) that resuming from "
+                             f"{found.name} would abandon; delete them first, or resume into another --run-dir")  # fmt: skip
+        for path in newer:  # incomplete: a save cut short
+            notes.append(f"{'removing' if continues_run else 'skipping'} incomplete checkpoint {path} (no .metadata)")
+        delete += newer if continues_run else []
+    elif continues_run:  # --resume auto with no complete checkpoint: a fresh start in this run dir
+        delete += checkpoint.all_steps(run_dir)
+        notes += [f"removing incomplete checkpoint {p} (no .metadata)" for p in delete]
+    if used and not continues_run and not args.overwrite:
+        raise UsageError(f"--run-dir {run_dir} already holds a run ({', '.join(used)}): continue it with "
+                         f"--resume {run_dir}, or pass --overwrite to delete it")  # fmt: skip
+    if args.overwrite and continues_run and found is not None:
+        raise UsageError(f"--overwrite would delete the checkpoint --resume names ({found})")
+    earlier = None
+    if found is not None and source_dir is None:
+        notes.append(f"cannot check the settings of {found}: it is not in a run directory's checkpoints/")
+    elif found is not None or continues_run:
+        earlier = _read_config((source_dir or run_dir) / "config.json")
+        if earlier is None and found is not None:
+            notes.append(f"cannot check the settings of {found}: no config.json in {source_dir}")
+    if earlier is not None:
+        wrong, changed = _differences(earlier, config)
+        if wrong:
+            where = found if found is not None else run_dir
+            raise UsageError(f"--resume {args.resume}: {where} differs from this run in {'; '.join(wrong)} "
+                             "(checkpoint -> now); start a new --run-dir for other settings")  # fmt: skip
+        if changed:
+            notes.append("resuming with changed settings: " + ", ".join(changed))
+        if continues_run:
+            config = {**config, "run_id": earlier["run_id"], "created": earlier["created"]}
+    step = checkpoint.step_of(found) if found is not None else 0
+    if step >= args.steps:
+        raise UsageError(f"--steps {args.steps}: {found} is already at step {step}")
+    delete += [run_dir / name for name in used] if args.overwrite else []
+    return RunStart(run_dir, found, step, continues_run, delete, notes, config)
+
+
+def begin(start: RunStart) -> float:
+    """Carry out ``start`` (rank 0 only); returns the training seconds the kept metrics cover."""
+    for path in start.delete:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    start.run_dir.mkdir(parents=True, exist_ok=True)
+    (start.run_dir / "summary.json").unlink(missing_ok=True)  # describes an earlier end
+    metrics = start.run_dir / "metrics.jsonl"
+    kept: list[str] = []
+    if start.continues_run and metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            if record["step"] <= start.step:
+                kept.append(line)
+    metrics.write_text("".join(line + "\n" for line in kept))
+    tmp = start.run_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(start.config, indent=2) + "\n")
+    tmp.replace(start.run_dir / "config.json")
+    return json.loads(kept[-1]).get("time_s", 0.0) if kept else 0.0

@@ -1,0 +1,139 @@
+"""The recipe's bad input: one ``error:`` line, exit status 2, nothing written or changed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from recipes.model import PRESETS  # noqa: E402
+from recipes.pretrain import main  # noqa: E402
+
+TINY = ["--preset", "tiny", "--batch-size", "4", "--val-every", "2", "--val-batches", "1", "--no-progress"]
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under root with its content hash (empty when root is missing)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A finished one-process run (python recipes/pretrain.py, no torchrun) with a complete
+    checkpoint at step 2 and one whose save did not finish at step 4, plus token files."""
+    root = tmp_path_factory.mktemp("recipe-input")
+    cache = root / "cache"
+    command = [sys.executable, str(ROOT / "recipes/pretrain.py"), *TINY, "--steps", "4", "--save-every", "2",
+               "--run-dir", str(root / "used"), "--cache-dir", str(cache)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    config = json.loads((root / "used/config.json").read_text())
+    assert config["world_size"] == 1 and config["args"]["preset"] == "tiny"
+    (root / "used/checkpoints/step_0000004/.metadata").unlink()
+    (root / "partial/checkpoints").mkdir(parents=True)
+    shutil.copytree(root / "used/checkpoints/step_0000004", root / "partial/checkpoints/step_0000004")
+    tokens = np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint16)
+    high_train = tokens.copy()
+    high_train[1000] = 300
+    high_train.tofile(root / "high.bin")
+    (root / "val").mkdir()
+    tokens.tofile(root / "val/train.bin")
+    high_val = tokens[:500].copy()
+    high_val[7] = 999
+    high_val.tofile(root / "val/val.bin")
+    return root
+
+
+def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
+    """name -> (arguments, environment, the exact message)."""
+    presets = ", ".join(f"'{name}'" for name in sorted(PRESETS))
+    used = root / "used"
+    return {
+        "missing --data": (["--data", f"{root}/none.bin"], {}, f"--data {root}/none.bin: no such file"),
+        "missing --text": (["--text", f"{root}/none.txt"], {}, f"--text {root}/none.txt: no such file"),
+        "unknown preset": (["--preset", "huge"], {}, f"argument --preset: invalid choice: 'huge' (choose from {presets})"),
+        "batch vs ranks x accumulation": (["--batch-size", "6", "--grad-accum", "2"], {"WORLD_SIZE": "2"},
+                                          "--batch-size 6 must be divisible by ranks x --grad-accum (2 x 2 = 4)"),
+        "replicas": (["--replicas", "3"], {"WORLD_SIZE": "2"}, "--replicas 3 does not divide the world size 2"),
+        "--steps 0 in a used run dir": (["--steps", "0", "--run-dir", str(used)], {}, "--steps must be at least 1 (got 0)"),
+        "negative lr": (["--lr", "-0.01"], {}, "--lr must be positive (got -0.01)"),
+        "negative AdamW lr": (["--adamw-lr", "-0.001"], {}, "--adamw-lr must be positive (got -0.001)"),
+        "token beyond the vocabulary, training": (
+            ["--data", f"{root}/high.bin"], {},
+            f"training data {root}/high.bin (first 95%): token id 300 is outside the vocabulary of 256 (preset "
+            "tiny); pass --vocab-size 301 or more"),
+        "token beyond the vocabulary, validation": (
+            ["--data", f"{root}/val/train.bin"], {},
+            f"validation data {root}/val/val.bin: token id 999 is outside the vocabulary of 256 (preset tiny); "
+            "pass --vocab-size 1000 or more"),
+        "resume a missing directory": (["--resume", f"{root}/gone"], {}, f"--resume {root}/gone: no such directory"),
+        "resume with no complete checkpoint": (
+            ["--resume", f"{root}/partial"], {},
+            f"--resume {root}/partial: no complete checkpoint under {root}/partial/checkpoints "
+            "(only incomplete ones: step_0000004)"),
+        "resume an incomplete step": (
+            ["--resume", f"{used}/checkpoints/step_0000004"], {},
+            f"--resume {used}/checkpoints/step_0000004: incomplete checkpoint (no .metadata: its save did not finish)"),
+        "resume another preset's run": (
+            ["--resume", str(used), "--run-dir", str(used), "--preset", "cpu-demo", "--steps", "6"], {},
+            f"--resume {used}: {used}/checkpoints/step_0000002 differs from this run in preset tiny -> cpu-demo "
+            "(checkpoint -> now); start a new --run-dir for other settings"),
+        "new run into a used run dir": (
+            ["--run-dir", str(used)], {},
+            f"--run-dir {used} already holds a run (config.json, metrics.jsonl, summary.json, checkpoints): "
+            f"continue it with --resume {used}, or pass --overwrite to delete it"),
+    }  # fmt: skip
+
+
+CASE_NAMES = list(cases(Path("/x")))
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_bad_input_is_one_line_and_changes_nothing(workspace, name, monkeypatch, capsys):
+    argv, env, message = cases(workspace)[name]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = tree_digest(workspace)
+    fresh = workspace / "fresh-run"
+    argv = [*TINY, "--cache-dir", str(workspace / "cache"), "--steps", "6", "--run-dir", str(fresh), *argv]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"error: {message}\n")
+    assert tree_digest(workspace) == before, "bad input changed files"
+
+
+def test_under_torchrun_every_rank_exits_2_and_the_error_is_printed_once(workspace):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "recipes/pretrain.py"), *TINY, "--batch-size", "3", "--cache-dir", str(workspace / "cache"),
+               "--run-dir", str(workspace / "torchrun")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    message = "error: --batch-size 3 must be divisible by ranks x --grad-accum (2 x 1 = 2)"
+    assert output.count(message) == 1 and output.count("error: ") == 1, output
+    assert "exitcode  : 2" in output and not (workspace / "torchrun").exists(), output
+
+
+def test_a_corrupt_checkpoint_is_named_and_the_run_dir_left_as_it_was(workspace, capsys):
+    run = workspace / "corrupt"
+    shutil.copytree(workspace / "used", run)
+    shard = run / "checkpoints/step_0000002/__0_0.distcp"
+    shard.write_bytes(b"not a checkpoint" + shard.read_bytes()[16:])
+    before = tree_digest(run)
+    argv = [*TINY, "--cache-dir", str(workspace / "cache"), "--steps", "6", "--run-dir", str(run), "--resume", str(run)]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    prefix = f"error: checkpoint {run}/checkpoints/step_0000002 could not be loaded: "
+    assert err.startswith(prefix) and err.endswith("(rank 0)\n") and err.count("\n") == 1, err
+    assert tree_digest(run) == before

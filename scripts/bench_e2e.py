@@ -37,7 +37,7 @@ def run(optimizer: str, world: int, args: argparse.Namespace) -> dict:
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={world}",
            str(ROOT / "recipes/pretrain.py"), "--preset", args.preset, "--optimizer", optimizer,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--val-every", str(10**9),
-           "--val-batches", "1", "--threads", "1", "--no-progress", "--run-dir", str(run_dir)]  # fmt: skip
+           "--val-batches", "1", "--threads", "1", "--no-progress", "--run-dir", str(run_dir), "--overwrite"]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     return json.loads((run_dir / "summary.json").read_text())

@@ -2,7 +2,8 @@
 # The main job: set up .venv if needed, then pretrain the cpu-demo Llama-style model on the Python
 # standard library's source with DMuonFSDP and with AdamW (same seed, data and steps), on 2 CPU
 # ranks (or every GPU when present), and print the summary table; the loss plot goes to
-# runs/demo/loss.png. Extra arguments go to recipes/pretrain.py (e.g. --steps 100).
+# runs/demo/loss.png. A rerun replaces the previous demo (--overwrite). Extra arguments go to
+# recipes/pretrain.py (e.g. --steps 100).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -14,6 +15,6 @@ fi
 OUT=${OUT:-runs/demo}
 for opt in dmuon adamw; do
     .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" recipes/pretrain.py \
-        --preset "${PRESET:-cpu-demo}" --optimizer "$opt" --run-dir "$OUT/$opt" "$@"
+        --preset "${PRESET:-cpu-demo}" --optimizer "$opt" --run-dir "$OUT/$opt" --overwrite "$@"
 done
 .venv/bin/python recipes/report.py "$OUT"

@@ -5,6 +5,10 @@ an active exception").
 
     python scripts/exit_check.py --runs 100                  # DMuonFSDP
     python scripts/exit_check.py --runs 100 --optimizer adamw
+    python scripts/exit_check.py --runs 30 --recipe --optimizer torch-muon   # recipes/pretrain.py
+
+With --recipe each job is the pretraining recipe (tiny preset, a checkpoint half-way and at the
+end) in a fresh run directory, instead of the small training loop below.
 """
 
 from __future__ import annotations
@@ -48,20 +52,32 @@ def worker(optimizer: str, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20, help="number of torchrun jobs")
-    parser.add_argument("--optimizer", choices=("dmuon", "adamw"), default="dmuon")
+    parser.add_argument("--optimizer", choices=("dmuon", "adamw", "torch-muon"), default="dmuon")
+    parser.add_argument("--recipe", action="store_true", help="run recipes/pretrain.py as the job")
     parser.add_argument("--steps", type=int, default=5, help="training steps per job")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.runs < 1 or args.steps < 1:
         parser.error("--runs and --steps must be positive")
+    if args.optimizer == "torch-muon" and not args.recipe:
+        parser.error("--optimizer torch-muon needs --recipe")
     if args.worker:
         worker(args.optimizer, args.steps)
         return
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               os.path.abspath(__file__), "--worker", "--optimizer", args.optimizer, "--steps", str(args.steps)]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     failed = []
     with tempfile.TemporaryDirectory() as logs:
         for run in range(args.runs):
+            if args.recipe:
+                command = [*torchrun, os.path.join(root, "recipes", "pretrain.py"), "--preset", "tiny",
+                           "--optimizer", args.optimizer, "--steps", str(args.steps), "--batch-size", "8",
+                           "--save-every", str(max(1, args.steps // 2)), "--val-every", str(args.steps),
+                           "--run-dir", os.path.join(logs, f"run{run}"), "--no-progress",
+                           "--cache-dir", os.path.join(root, "runs", "cache")]  # fmt: skip
+            else:
+                command = [*torchrun, os.path.abspath(__file__), "--worker", "--optimizer", args.optimizer,
+                           "--steps", str(args.steps)]  # fmt: skip
             log = os.path.join(logs, f"run{run}.log")
             with open(log, "w") as out:
                 code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
@@ -69,7 +85,8 @@ def main() -> None:
                 failed.append(run)
                 lines = [line for line in open(log) if "terminate" in line or "Signal" in line or "Error" in line]
                 print(f"run {run}: exit status {code}: {''.join(lines[:4]).strip()}", flush=True)
-    print(f"{args.optimizer}: {len(failed)} of {args.runs} jobs exited non-zero")
+    job = "recipe" if args.recipe else "loop"
+    print(f"{job}, {args.optimizer}: {len(failed)} of {args.runs} jobs exited non-zero")
     sys.exit(1 if failed else 0)
 
 

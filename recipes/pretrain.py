@@ -173,13 +173,11 @@ def evaluate(model, batches, device) -> float:
 
 def gradient_norm(model: torch.nn.Module, clip: float) -> float:
     """The global gradient norm before clipping; clips to ``clip`` when it is positive."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
-    if isinstance(norm, DTensor):  # sharded gradients: the norm's square is a partial sum
-        norm = norm.full_tensor()
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, clip, norm)
-    return norm.item()
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)  # takes the parameters, not the grads
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
 def train(args: argparse.Namespace) -> dict:

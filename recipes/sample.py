@@ -115,7 +115,9 @@ def sample(args: argparse.Namespace) -> str:
     model.to("cuda" if cuda else "cpu").eval()
     new = generate(model, ids, args.tokens, args.temperature, args.top_k, args.seed)
     if byte_level:
-        return bytes(ids + new).decode("utf-8", errors="replace")
+        # ids past 255 (a byte-level run trained with a larger --vocab-size) print as U+FFFD
+        raw = b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids + new)
+        return raw.decode("utf-8", errors="replace")
     return ",".join(map(str, ids + new))
 
 

@@ -115,6 +115,24 @@ def test_smoke_two_ranks_and_the_logged_gradient_norm_is_before_clipping(tmp_pat
     assert first_norms[0] == pytest.approx(first_norms[1], rel=1e-6) and first_norms[0] > 1e-2
 
 
+def test_gradient_norm_is_returned_before_clipping_and_clips():
+    from recipes.model import Transformer, preset
+    from recipes.pretrain import gradient_norm
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny"))
+    tokens = torch.randint(0, 256, (2, 32))
+    model(tokens, tokens).backward()
+
+    def norm() -> float:  # in float64: the float32 sums differ in order
+        return torch.cat([p.grad.flatten() for p in model.parameters()]).double().norm().item()
+
+    before = norm()
+    assert gradient_norm(model, 0) == pytest.approx(before, rel=1e-5) and norm() == before
+    assert gradient_norm(model, before / 4) == pytest.approx(before, rel=1e-5)
+    assert norm() == pytest.approx(before / 4, rel=1e-5)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_flops_per_token_counts_what_runs(tie):
     # The math SDPA backend runs the whole T x T attention as bmm, so torch's flop counter sees

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,16 +44,18 @@ def workspace(tmp_path_factory):
     (root / "used/checkpoints/step_0000004/.metadata").unlink()
     (root / "partial/checkpoints").mkdir(parents=True)
     shutil.copytree(root / "used/checkpoints/step_0000004", root / "partial/checkpoints/step_0000004")
-    tokens = np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint16)
-    high_train = tokens.copy()
-    high_train[1000] = 300
-    high_train.tofile(root / "high.bin")
+    rng = random.Random(0)
+    tokens = [rng.randrange(256) for _ in range(4000)]
+    write_uint16(root / "high.bin", tokens[:1000] + [300] + tokens[1001:])
     (root / "val").mkdir()
-    tokens.tofile(root / "val/train.bin")
-    high_val = tokens[:500].copy()
-    high_val[7] = 999
-    high_val.tofile(root / "val/val.bin")
+    write_uint16(root / "val/train.bin", tokens)
+    write_uint16(root / "val/val.bin", tokens[:7] + [999] + tokens[8:500])
     return root
+
+
+def write_uint16(path: Path, ids: list[int]) -> None:
+    """A nanoGPT token file (uint16, this machine's byte order, as the recipe reads it)."""
+    path.write_bytes(array.array("H", ids).tobytes())
 
 
 def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:

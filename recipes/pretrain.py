@@ -194,6 +194,7 @@ def train(args: argparse.Namespace) -> dict:
     if start.checkpoint is not None:  # before the run dir changes: a bad checkpoint leaves it as it was
         checkpoint.load(start.checkpoint, model, optimizers, schedulers)
     say, elapsed = print, 0.0
+    dist.barrier()  # every rank has planned from the run dir as it was before rank 0 changes it
     if rank == 0:
         elapsed = run_dir.begin(start)
         for note in start.notes:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The main job: set up .venv if needed, then pretrain the cpu-demo Llama-style model on the Python
 # standard library's source with DMuonFSDP and with AdamW (same seed, data and steps), on 2 CPU
-# ranks (or every GPU when present), and print the summary table; the loss plot goes to
-# runs/demo/loss.png. A rerun replaces the previous demo (--overwrite). Extra arguments go to
-# recipes/pretrain.py (e.g. --steps 100).
+# ranks (or every GPU when present), print the summary table (the loss plot goes to
+# runs/demo/loss.png) and a sample of text from the DMuonFSDP model's final checkpoint.
+# A rerun replaces the previous demo (--overwrite). Extra arguments go to recipes/pretrain.py
+# (e.g. --steps 100).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -15,6 +16,8 @@ fi
 OUT=${OUT:-runs/demo}
 for opt in dmuon adamw; do
     .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" recipes/pretrain.py \
-        --preset "${PRESET:-cpu-demo}" --optimizer "$opt" --run-dir "$OUT/$opt" --overwrite "$@"
+        --preset "${PRESET:-cpu-demo}" --optimizer "$opt" --run-dir "$OUT/$opt" --overwrite --save-final "$@"
 done
 .venv/bin/python recipes/report.py "$OUT"
+echo; echo "A sample from the DMuonFSDP model (recipes/sample.py):"
+.venv/bin/python recipes/sample.py --run-dir "$OUT/dmuon" --prompt "def " --tokens 200

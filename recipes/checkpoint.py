@@ -31,8 +31,10 @@ class CheckpointError(Exception):
     """A checkpoint that could not be read; the message names it."""
 
 
-def step_of(path: Path) -> int:
-    return int(path.name.removeprefix("step_"))
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint directory holds, from its name ``step_N``; None for other names."""
+    digits = path.name.removeprefix("step_")
+    return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
 
 
 def is_complete(path: Path) -> bool:
@@ -40,8 +42,9 @@ def is_complete(path: Path) -> bool:
 
 
 def all_steps(run_dir: str | Path) -> list[Path]:
-    """Every checkpoint directory of a run, complete or not, oldest first."""
-    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir())
+    """Every checkpoint directory of a run (named step_N), complete or not, oldest first."""
+    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
 
 
 def latest(run_dir: str | Path) -> Path | None:

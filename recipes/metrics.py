@@ -15,9 +15,9 @@ import torch
 from recipes.model import ModelConfig
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets, matched
-# against torch.cuda.get_device_name; the first match wins, so the PCIe H100 comes first.
-GPU_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("B200", 2250.0),
-                   ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0))  # fmt: skip
+# against torch.cuda.get_device_name; the first match wins, so the more specific names come first.
+GPU_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
+                   ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0))  # fmt: skip
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -7,6 +7,7 @@ every rank exits with status 2, before any model is built or any file is written
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from recipes.model import PRESETS
 
@@ -64,7 +65,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     opt.add_argument("--seed", type=int, default=0, help="seeds the model and the batches")
 
     run = p.add_argument_group("run directory, checkpoints and logging")
-    run.add_argument("--run-dir", default=None, help="where config, metrics and checkpoints go (default: runs/<preset>-<optimizer>)")
+    run.add_argument("--run-dir", default=None, help="where config, metrics and checkpoints go (default: the run "
+                                                      "--resume names, else runs/<preset>-<optimizer>)")  # fmt: skip
     run.add_argument("--overwrite", action="store_true", help="delete an earlier run in --run-dir first")
     run.add_argument("--resume", default=None,
                      help="continue from a run directory (its newest complete checkpoint), a checkpoint "
@@ -90,8 +92,17 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     args = build_parser(description).parse_args(argv)
     args.lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
-    args.run_dir = args.run_dir or f"runs/{args.preset}-{args.optimizer}"
+    args.run_dir = args.run_dir or _resumed_run_dir(args.resume) or f"runs/{args.preset}-{args.optimizer}"
     return args
+
+
+def _resumed_run_dir(resume: str | None) -> str | None:
+    """The run dir ``--resume`` names (itself, or the run a checkpoints/step_N dir belongs to):
+    without --run-dir a resumed run goes on there."""
+    if not resume or resume == "auto":
+        return None
+    path = Path(resume)
+    return str(path.parent.parent) if path.parent.name == "checkpoints" else str(path)
 
 
 def check_numbers(args: argparse.Namespace, world_size: int) -> None:

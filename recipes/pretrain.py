@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -60,14 +61,15 @@ def load_corpus(args: argparse.Namespace) -> Corpus:
         raise UsageError(f"{flag} {path}: no such file")
     if not Path(path).is_file():
         raise UsageError(f"{flag} {path}: not a file")
+    path = Path(path).resolve()  # the data's identity in config.json, however it was typed
     try:
         return token_file_corpus(path, args.vocab_size) if args.data else text_corpus(path)
     except (OSError, ValueError) as error:
         raise UsageError(f"{flag} {error}") from error
 
 
-def check_corpus(corpus: Corpus, cfg: ModelConfig, args: argparse.Namespace) -> None:
-    """Both streams fit the model: ids inside the vocabulary, at least one window long."""
+def check_corpus(corpus: Corpus, cfg: ModelConfig, args: argparse.Namespace, world_size: int) -> None:
+    """Both streams fit the model: ids inside the vocabulary, long enough for their windows."""
     for split, source, tokens, largest in (("training", corpus.train_source, corpus.train, corpus.train_max),
                                            ("validation", corpus.val_source, corpus.val, corpus.val_max)):  # fmt: skip
         if largest >= cfg.vocab_size:
@@ -76,6 +78,11 @@ def check_corpus(corpus: Corpus, cfg: ModelConfig, args: argparse.Namespace) -> 
         if len(tokens) <= cfg.seq_len + 1:
             raise UsageError(f"{split} data {source}: {len(tokens)} tokens are too few for one window of "
                              f"--seq-len + 1 = {cfg.seq_len + 1}")  # fmt: skip
+    windows = max(1, args.batch_size // world_size) * args.val_batches * world_size
+    if len(corpus.val) < windows + cfg.seq_len:  # validation_batches spaces its windows a token apart at least
+        raise UsageError(f"validation data {corpus.val_source}: {len(corpus.val)} tokens are too few for "
+                         f"{windows} windows of {cfg.seq_len + 1} (--val-batches {args.val_batches}); "
+                         f"it needs {windows + cfg.seq_len}: lower --val-batches or --batch-size")  # fmt: skip
 
 
 @dataclass
@@ -95,7 +102,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Setup:
     corpus = load_corpus(args)
     cfg = preset(args.preset, seq_len=args.seq_len, vocab_size=args.vocab_size or corpus.vocab_size,
                  tie_embeddings=args.tie_embeddings)  # fmt: skip
-    check_corpus(corpus, cfg, args)
+    check_corpus(corpus, cfg, args, world_size)
     config = run_dir.make_config(args, world_size, corpus.description, corpus.byte_level, cfg)
     return Setup(corpus, cfg, run_dir.plan_start(args, config))
 
@@ -180,6 +187,19 @@ def gradient_norm(model: torch.nn.Module, clip: float) -> float:
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
+def keep_this_runs_settings(optimizers: list, schedulers: list, settings: list[list[dict]]) -> None:
+    """After a resume, this run's flags (lr, weight decay, AdamW lr, schedule) win over the
+    hyperparameters the checkpoint restored; the lr is recomputed at the resumed step."""
+    for opt, scheduler, groups in zip(optimizers, schedulers, settings):
+        for group, fresh in zip(opt.param_groups, groups):
+            group.update(fresh)
+        scheduler.base_lrs = [group["initial_lr"] for group in opt.param_groups]
+        lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(opt.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
+
+
 def train(args: argparse.Namespace) -> dict:
     """Run training; returns {"losses": {step: loss}, "val": {step: val_loss}} (same on every rank).
     Bad input raises UsageError before the model is built and before anything is written."""
@@ -192,7 +212,9 @@ def train(args: argparse.Namespace) -> dict:
     optimizers = build_optimizers(args, model)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args)) for opt in optimizers]
     if start.checkpoint is not None:  # before the run dir changes: a bad checkpoint leaves it as it was
+        settings = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
         checkpoint.load(start.checkpoint, model, optimizers, schedulers)
+        keep_this_runs_settings(optimizers, schedulers, settings)
     say, elapsed = print, 0.0
     dist.barrier()  # every rank has planned from the run dir as it was before rank 0 changes it
     if rank == 0:
@@ -210,8 +232,6 @@ def train(args: argparse.Namespace) -> dict:
         print(f"{args.optimizer}: {model.num_params() / 1e6:.2f}M parameters, {world} ranks on {device}, "
               f"{corpus.description}, run dir {start.run_dir}{resuming}", flush=True)  # fmt: skip
         if not args.no_progress:
-            from tqdm import tqdm
-
             progress = tqdm(total=args.steps, initial=start.step, desc=args.optimizer, dynamic_ncols=True)
             say = progress.write
     history: dict = {"losses": {}, "val": {}}
@@ -301,16 +321,16 @@ def write_summary(args, directory: Path, model, history: dict, fb_times: list, o
 def main(argv: list[str] | None = None) -> int:
     """Train; returns the exit status: 0, or 2 for bad input and 1 for an unreadable checkpoint
     (one ``error: ...`` line from rank 0; every rank returns the same status)."""
-    rank = int(os.environ.get("RANK", 0))
+    caller_group = dist.is_initialized()  # then the caller also destroys it
     try:
         train(parse_args(argv))
         return 0
     except (UsageError, checkpoint.CheckpointError) as error:
-        if rank == 0:
+        if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2 if isinstance(error, UsageError) else 1
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and not caller_group:
             dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -68,8 +69,10 @@ def _resolve(target: Path) -> Path:
     """The checkpoint ``--resume target`` names: a step directory, or a run directory's newest
     complete one."""
     if not target.is_dir():
-        raise UsageError(f"--resume {target}: no such directory")
+        raise UsageError(f"--resume {target}: {'not a directory' if target.exists() else 'no such directory'}")
     if checkpoint.is_complete(target):
+        if checkpoint.step_of(target) is None:
+            raise UsageError(f"--resume {target}: a checkpoint directory must keep its name step_N (N: its step)")
         return target
     if target.name.startswith("step_"):
         raise UsageError(f"--resume {target}: incomplete checkpoint (no .metadata: its save did not finish)")
@@ -87,14 +90,17 @@ def _read_config(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UsageError(f"{path} is not valid JSON ({error}); move it away or pass --overwrite") from error
+        raise UsageError(f"{path} is not valid JSON ({error})") from error
 
 
 def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
     """Where this run starts; raises UsageError naming the flag and path. Reads, never writes."""
     run_dir = Path(args.run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"--run-dir {run_dir} is a file, not a directory")
+    existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--run-dir {run_dir}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        raise UsageError(f"--run-dir {run_dir}: {existing} is not writable")
     used = [name for name in RUN_FILES if (run_dir / name).exists()]
     notes: list[str] = []
     delete: list[Path] = []
@@ -102,7 +108,7 @@ def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
     source_dir = found.parent.parent if found is not None and found.parent.name == "checkpoints" else None
     continues_run = args.resume == "auto" or (source_dir is not None and source_dir.resolve() == run_dir.resolve())
     if source_dir is not None:
-        newer = [p for p in checkpoint.all_steps(source_dir) if p.name > found.name]
+        newer = [p for p in checkpoint.all_steps(source_dir) if checkpoint.step_of(p) > checkpoint.step_of(found)]
         if continues_run and any(map(checkpoint.is_complete, newer)):
             raise UsageError(f"--resume {args.resume}: {run_dir} has newer complete checkpoints "
                              f"({', '.join(p.name for p in newer if checkpoint.is_complete(p))}) that resuming from "
@@ -111,8 +117,13 @@ def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
             notes.append(f"{'removing' if continues_run else 'skipping'} incomplete checkpoint {path} (no .metadata)")
         delete += newer if continues_run else []
     elif continues_run:  # --resume auto with no complete checkpoint: a fresh start in this run dir
+        if (run_dir / "summary.json").exists():
+            raise UsageError(f"--resume auto: {run_dir} holds a finished run and no complete checkpoint to continue "
+                             "from; start a new --run-dir, or replace it with --overwrite (without --resume)")  # fmt: skip
         delete += checkpoint.all_steps(run_dir)
         notes += [f"removing incomplete checkpoint {p} (no .metadata)" for p in delete]
+        if (run_dir / "metrics.jsonl").exists():
+            notes.append(f"no complete checkpoint in {run_dir}: starting it again from step 0")
     if used and not continues_run and not args.overwrite:
         raise UsageError(f"--run-dir {run_dir} already holds a run ({', '.join(used)}): continue it with "
                          f"--resume {run_dir}, or pass --overwrite to delete it")  # fmt: skip
@@ -126,11 +137,14 @@ def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
         if earlier is None and found is not None:
             notes.append(f"cannot check the settings of {found}: no config.json in {source_dir}")
     if earlier is not None:
-        wrong, changed = _differences(earlier, config)
+        try:
+            wrong, changed = _differences(earlier, config)
+        except KeyError as key:
+            raise UsageError(f"the config.json of {source_dir or run_dir} lacks {key}: not one this recipe wrote") from None
         if wrong:
             where = found if found is not None else run_dir
             raise UsageError(f"--resume {args.resume}: {where} differs from this run in {'; '.join(wrong)} "
-                             "(checkpoint -> now); start a new --run-dir for other settings")  # fmt: skip
+                             "(earlier -> now); start a new --run-dir for other settings")  # fmt: skip
         if changed:
             notes.append("resuming with changed settings: " + ", ".join(changed))
         if continues_run:

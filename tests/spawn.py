@@ -1,7 +1,9 @@
 """Run a function on W CPU ranks (gloo), fail with the failing rank's traceback, never hang.
 
 Ranks are forked from a forkserver that has imported torch and dmuon_fsdp once (``PRELOAD``);
-each rank still starts from a clean process state (no process group, no CUDA), as if spawned."""
+each rank starts without a process group or CUDA, as if spawned, but with the environment the
+forkserver had when it started (the first run in this process): pass settings as arguments,
+not through os.environ."""
 
 from __future__ import annotations
 

@@ -50,6 +50,8 @@ def workspace(tmp_path_factory):
     (root / "val").mkdir()
     write_uint16(root / "val/train.bin", tokens)
     write_uint16(root / "val/val.bin", tokens[:7] + [999] + tokens[8:500])
+    (root / "short.txt").write_bytes(bytes(tokens[:700]))  # 35 validation bytes
+    shutil.copytree(root / "used", root / "finished", ignore=shutil.ignore_patterns("checkpoints"))
     return root
 
 
@@ -80,6 +82,14 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
             ["--data", f"{root}/val/train.bin"], {},
             f"validation data {root}/val/val.bin: token id 999 is outside the vocabulary of 256 (preset tiny); "
             "pass --vocab-size 1000 or more"),
+        "validation data shorter than its windows": (
+            ["--text", f"{root}/short.txt", "--val-batches", "2"], {},
+            f"validation data {root}/short.txt (last 5%): 35 tokens are too few for 8 windows of 33 (--val-batches 2); "
+            "it needs 40: lower --val-batches or --batch-size"),
+        "resume auto of a finished run with no checkpoint": (
+            ["--resume", "auto", "--run-dir", f"{root}/finished"], {},
+            f"--resume auto: {root}/finished holds a finished run and no complete checkpoint to continue from; start "
+            "a new --run-dir, or replace it with --overwrite (without --resume)"),
         "resume a missing directory": (["--resume", f"{root}/gone"], {}, f"--resume {root}/gone: no such directory"),
         "resume with no complete checkpoint": (
             ["--resume", f"{root}/partial"], {},
@@ -91,7 +101,7 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
         "resume another preset's run": (
             ["--resume", str(used), "--run-dir", str(used), "--preset", "cpu-demo", "--steps", "6"], {},
             f"--resume {used}: {used}/checkpoints/step_0000002 differs from this run in preset tiny -> cpu-demo "
-            "(checkpoint -> now); start a new --run-dir for other settings"),
+            "(earlier -> now); start a new --run-dir for other settings"),
         "new run into a used run dir": (
             ["--run-dir", str(used)], {},
             f"--run-dir {used} already holds a run (config.json, metrics.jsonl, summary.json, checkpoints): "
@@ -140,3 +150,19 @@ def test_a_corrupt_checkpoint_is_named_and_the_run_dir_left_as_it_was(workspace,
     prefix = f"error: checkpoint {run}/checkpoints/step_0000002 could not be loaded: "
     assert err.startswith(prefix) and err.endswith("(rank 0)\n") and err.count("\n") == 1, err
     assert tree_digest(run) == before
+
+
+def test_a_resumed_run_takes_this_runs_lr_and_schedule(workspace, capsys):
+    # The checkpoint restores the optimizer's and scheduler's hyperparameters; the flags of the
+    # resumed run must win (its note says they changed), from its first step on.
+    run = workspace / "relearn"
+    common = [*TINY, "--cache-dir", str(workspace / "cache"), "--run-dir", str(run), "--warmup", "0",
+              "--decay", "linear", "--min-lr-ratio", "0", "--save-every", "2"]  # fmt: skip
+    assert main([*common, "--steps", "4", "--lr", "0.01"]) == 0
+    assert main([*common, "--steps", "6", "--resume", str(run), "--lr", "0.05"]) == 0
+    assert "resuming with changed settings: --lr 0.01 -> 0.05" in capsys.readouterr().out
+    logged = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert logged[2] == pytest.approx(0.01 * (1 - 1 / 4))
+    for step in (5, 6):  # linear decay to 0 over 6 steps, at 0-based index step - 1
+        assert logged[step] == pytest.approx(0.05 * (1 - (step - 1) / 6)), logged
+    assert json.loads((run / "config.json").read_text())["args"]["lr"] == 0.05

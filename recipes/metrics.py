@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 from pathlib import Path
 
 import torch
@@ -42,6 +43,20 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
         return override
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in GPU_PEAK_TFLOPS if key in name), None)
+
+
+WARMUP_STEPS = 5  # left out of the step-time medians: the first steps include one-time work
+
+
+def step_times(fwd_bwd_ms: list[float], opt_ms: list[float]) -> dict:
+    """Median step, optimizer and forward+backward milliseconds past the warm-up steps, and the
+    optimizer's share of the step (summary.json's numbers, also computed by report.py for runs
+    that have not finished)."""
+    skip = min(WARMUP_STEPS, len(fwd_bwd_ms) - 1)
+    fwd_bwd, opt = fwd_bwd_ms[skip:], opt_ms[skip:]
+    step = statistics.median(a + b for a, b in zip(fwd_bwd, opt))
+    return {"median_step_ms": step, "median_opt_ms": statistics.median(opt),
+            "median_fwd_bwd_ms": statistics.median(fwd_bwd), "optimizer_share": statistics.median(opt) / step}  # fmt: skip
 
 
 def peak_memory_mb(device: torch.device) -> float:

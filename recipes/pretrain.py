@@ -18,7 +18,6 @@ import importlib.util
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from recipes.data import (  # noqa: E402
     token_file_corpus,
     validation_batches,
 )
-from recipes.metrics import MetricsLog, flops_per_token, peak_memory_mb, peak_tflops  # noqa: E402
+from recipes.metrics import MetricsLog, flops_per_token, peak_memory_mb, peak_tflops, step_times  # noqa: E402
 from recipes.model import ModelConfig, Transformer, preset  # noqa: E402
 from recipes.options import UsageError  # noqa: E402
 
@@ -301,18 +300,13 @@ def train(args: argparse.Namespace) -> dict:
 
 def write_summary(args, directory: Path, model, history: dict, fb_times: list, opt_times: list, memory: list,
                   device: torch.device) -> None:  # fmt: skip
-    step_ms = [1e3 * (a + b) for a, b in zip(fb_times, opt_times)]
-    skip = min(5, len(step_ms) - 1)  # warm-up steps
     summary = {
         "name": directory.name, "optimizer": args.optimizer, "preset": args.preset, "world_size": len(memory),
         "device": device.type, "steps": args.steps, "params": model.num_params(), "lr": args.lr,
         "final_val_loss": history["val"].get(args.steps),
-        "median_step_ms": statistics.median(step_ms[skip:]),
-        "median_opt_ms": 1e3 * statistics.median(opt_times[skip:]),
-        "median_fwd_bwd_ms": 1e3 * statistics.median(fb_times[skip:]),
+        **step_times([1e3 * t for t in fb_times], [1e3 * t for t in opt_times]),
         "peak_memory_mb": memory,
     }  # fmt: skip
-    summary["optimizer_share"] = summary["median_opt_ms"] / summary["median_step_ms"]
     (directory / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"{args.optimizer}: final val loss {summary['final_val_loss']}, median step "
           f"{summary['median_step_ms']:.1f} ms, optimizer share {summary['optimizer_share']:.1%}", flush=True)  # fmt: skip

@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import textwrap
 from pathlib import Path
 
-WARMUP_STEPS = 5  # left out of the step-time medians, as in recipes/pretrain.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from recipes.metrics import step_times  # noqa: E402
+
 SUMMARY_KEYS = ("lr", "steps", "final_val_loss", "median_step_ms", "optimizer_share", "peak_memory_mb")
 
 
@@ -30,16 +32,15 @@ def read_records(path: Path) -> list[dict]:
 
 def from_metrics(records: list[dict], config: dict) -> dict:
     """What summary.json would say, from the metrics of an unfinished run."""
-    timed = records[min(WARMUP_STEPS, len(records) - 1) :]
-    step_ms = statistics.median(r["fwd_bwd_ms"] + r["opt_ms"] for r in timed) if timed else None
+    times = step_times([r["fwd_bwd_ms"] for r in records], [r["opt_ms"] for r in records]) if records else {}
     val = [r["val_loss"] for r in records if "val_loss" in r]
     done = records[-1]["step"] if records else 0
     return {
         "lr": config["args"]["lr"],
         "steps": f"{done}/{config['args']['steps']} (unfinished)",
         "final_val_loss": val[-1] if val else None,
-        "median_step_ms": step_ms,
-        "optimizer_share": statistics.median(r["opt_ms"] for r in timed) / step_ms if step_ms else None,
+        "median_step_ms": times.get("median_step_ms"),
+        "optimizer_share": times.get("optimizer_share"),
         "peak_memory_mb": [max(r["peak_memory_mb"] for r in records)] if records else [],
     }
 

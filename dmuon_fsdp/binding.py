@@ -1,8 +1,8 @@
 """Binding a rank's schedule to tensors: every buffer and view of a step program, made once.
 
 Buffers: per bucket a send and a receive buffer for each exchange (``comm_dtype``, laid out as
-the schedule says), a (B, s, l) stack per batch of owned matrices of one shape and NS settings
-(``ns_dtype``; tall matrices stored transposed, so they batch with wide ones of the same
+the schedule says), a (B, s, l) stack per batch of owned matrices of one shape, NS settings and
+NS form (``ns_dtype``; tall matrices stored transposed, so they batch with wide ones of the same
 sides), and one NS workspace shared by all stacks. Own pieces never enter an exchange buffer;
 when ``comm_dtype`` differs from ``ns_dtype`` they pass through a local ``comm_dtype`` staging
 buffer instead, so that every rank's copy of a result is rounded alike (replicas stay equal).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from dmuon_fsdp import elementwise
 from dmuon_fsdp.layouts import Piece, local_shard
-from dmuon_fsdp.newton_schulz import Workspace, resolve_coefficients
+from dmuon_fsdp.newton_schulz import Coefficients, Workspace, resolve_coefficients
 from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.program import (
     AdamWLists,
@@ -86,29 +87,39 @@ def _flag_index(counts: list[int], device: torch.device) -> Tensor:
     return (starts[:, None] + torch.arange(FLAG_ELEMENTS)).to(device)
 
 
+@dataclass(frozen=True)
+class _Stack:
+    """A batch's stack and NS settings, before the shared workspace exists."""
+
+    stack: Tensor
+    coefficients: tuple[Coefficients, ...]
+    eps: float
+    segments: tuple[int, ...]
+
+
 def _stacks(plan: Plan, owned: Sequence[int], settings: Callable, dtype: torch.dtype, device: torch.device):
-    """Batches of owned matrices by (s, l, NS settings), each a new (B, s, l) stack, and each
-    matrix's (rows, cols) view into its stack (a transposed view for tall matrices)."""
+    """Batches of owned matrices by (s, l, NS settings, NS form), each a new (B, s, l) stack,
+    and each matrix's (rows, cols) view into its stack (a transposed view for tall matrices)."""
     members: dict[tuple, list[int]] = defaultdict(list)
     for j in owned:
         m = plan.matrices[j]
-        members[(min(m.rows, m.cols), max(m.rows, m.cols), *settings(j))].append(j)
+        members[(min(m.rows, m.cols), max(m.rows, m.cols), *settings(j), m.ns_segments)].append(j)
     stacks, matrix_views = [], {}
-    for (s, l, coefficients, eps), batch in members.items():
+    for (s, l, coefficients, eps, segments), batch in members.items():
         stack = torch.zeros(len(batch), s, l, dtype=dtype, device=device)
-        stacks.append((stack, coefficients, eps))
+        stacks.append(_Stack(stack, coefficients, eps, segments))
         for b, j in enumerate(batch):
             matrix_views[j] = stack[b].mT if plan.matrices[j].rows > plan.matrices[j].cols else stack[b]
     return stacks, matrix_views
 
 
-def _shared_workspace(stacks: list[Tensor]) -> tuple[Tensor, Tensor, Tensor] | None:
+def _shared_workspace(stacks: list[_Stack]) -> tuple[Tensor, Tensor] | None:
     """Flat buffers large enough for every stack's ``Workspace``: they share one, being
     orthogonalized one at a time."""
     if not stacks:
         return None
-    gram = max(s.shape[0] * s.shape[1] ** 2 for s in stacks)
-    return stacks[0].new_empty(max(s.numel() for s in stacks)), stacks[0].new_empty(gram), stacks[0].new_empty(gram)
+    sizes = [Workspace.sizes(s.stack.shape, s.segments) for s in stacks]
+    return tuple(stacks[0].stack.new_empty(max(size)) for size in zip(*sizes))
 
 
 def _in_shape(view: Tensor, local: Tensor) -> Tensor | None:
@@ -253,10 +264,11 @@ def build_program(
     """
     binder = _Binder(plan, schedule, entries, groups, ns_dtype, comm_dtype, device)
     parts = [binder.bucket(bucket) for bucket in schedule.buckets]
-    flat = _shared_workspace([stack for part in parts for stack, _, _ in part[2]])
+    flat = _shared_workspace([stack for part in parts for stack in part[2]])
     buckets = tuple(
-        BucketProgram(gather, assemble, tuple(Batch(stack, coefficients, eps, Workspace.for_stack(stack, flat))
-                                              for stack, coefficients, eps in stacks), results, scatter, updates)
+        BucketProgram(gather, assemble, tuple(Batch(s.stack, s.coefficients, s.eps, s.segments,
+                                                    Workspace.for_stack(s.stack, s.segments, flat))
+                                              for s in stacks), results, scatter, updates)
         for gather, assemble, stacks, results, scatter, updates in parts
     )  # fmt: skip
     muon, pack = binder.momentum(state)

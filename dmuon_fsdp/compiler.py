@@ -25,7 +25,7 @@ from dmuon_fsdp.program import Entry, StepProgram
 from dmuon_fsdp.schedule import FLAG_ELEMENTS, RankSchedule, rank_schedule
 
 # Muon group options compiled into the step program: changing one rebuilds it.
-STRUCTURAL = ("ns_steps", "ns_coefficients", "eps", "adjust_lr_fn", "flatten", "split_sizes", "num_heads")
+STRUCTURAL = ("ns_steps", "ns_coefficients", "ns_algorithm", "eps", "adjust_lr_fn", "flatten", "split_sizes", "num_heads")
 
 
 def _frozen(value: Any) -> Any:
@@ -93,7 +93,7 @@ class Programs:
         rank's trouble and (with ``check_grads``) that all built the same plan."""
         muon = [(p, src.names[p], src.groups[g]) for (g, p), has in zip(src.indexed, key[0])
                 if has and src.groups[g]["use_muon"]]  # fmt: skip
-        layouts, param_of = describe_params(muon, comm.default_world_size(), src.mesh)
+        layouts, param_of = describe_params(muon, src.ns_dtype, comm.default_world_size(), src.mesh)
         peers = src.exchange.peers
         plan = build_plan(layouts, len(peers), src.bucket_bytes, src.comm_dtype.itemsize, param_of)
         params = [p for _, p in src.indexed]

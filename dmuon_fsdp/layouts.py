@@ -13,9 +13,9 @@ rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from itertools import product
 
 import torch
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from dmuon_fsdp.newton_schulz import newton_schulz_flops
+from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
 
 
 @dataclass(frozen=True)
@@ -60,17 +60,19 @@ class MatrixLayout:
     rows: int
     cols: int
     pieces: tuple[Piece, ...]
-    ns_steps: int
+    ns_segments: tuple[int, ...]  # the Newton-Schulz form run on it (see newton_schulz.ns_segments)
     replicas: tuple[int, ...] | None = None
 
     @classmethod
-    def row_sharded(cls, name: str, rows: int, cols: int, row_counts: Sequence[int], ns_steps: int) -> MatrixLayout:
+    def row_sharded(
+        cls, name: str, rows: int, cols: int, row_counts: Sequence[int], ns_segments: tuple[int, ...]
+    ) -> MatrixLayout:
         """A matrix cut into consecutive row blocks, ``row_counts[r]`` rows on rank r (FSDP2)."""
         pieces, start = [], 0
         for count in row_counts:
             pieces.append(Piece(start, count, 0, cols) if count and cols else EMPTY)
             start += count
-        return cls(name, rows, cols, tuple(pieces), ns_steps)
+        return cls(name, rows, cols, tuple(pieces), ns_segments)
 
     @property
     def numel(self) -> int:
@@ -78,7 +80,7 @@ class MatrixLayout:
 
     @property
     def cost(self) -> int:
-        return newton_schulz_flops(self.rows, self.cols, self.ns_steps)
+        return segments_flops(self.rows, self.cols, self.ns_segments)
 
     def replica(self, rank: int) -> int:
         return self.replicas[rank] if self.replicas else 0
@@ -99,7 +101,7 @@ def replicated(layout: MatrixLayout, copies: int) -> MatrixLayout:
     on a (copies, shards) mesh); for simulations and tests."""
     shards = len(layout.pieces)
     replicas = tuple(r for r in range(copies) for _ in range(shards))
-    return MatrixLayout(layout.name, layout.rows, layout.cols, layout.pieces * copies, layout.ns_steps, replicas)
+    return MatrixLayout(layout.name, layout.rows, layout.cols, layout.pieces * copies, layout.ns_segments, replicas)
 
 
 def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
@@ -277,7 +279,7 @@ def _columns(shape: tuple[int, ...], box: Box, first: int, name: str, placements
 def describe_param(
     param: torch.Tensor,
     name: str,
-    ns_steps: int,
+    segments: Callable[[int, int], tuple[int, ...]],
     flatten: bool = True,
     split_sizes: list[int] | None = None,
     num_heads: int | None = None,
@@ -314,20 +316,27 @@ def describe_param(
                 pieces.append(Piece(lo - first, hi - lo, c0, c1 - c0, local_row))
             label = name + (f"[{expert}]" if stacked else "")
             label += f"[rows {first}:{first + size}]" if len(blocks) > 1 else ""
-            layouts.append(MatrixLayout(label, size, cols, tuple(pieces), ns_steps, replicas))
+            layouts.append(MatrixLayout(label, size, cols, tuple(pieces), segments(size, cols), replicas))
     return layouts
 
 
 def describe_params(
-    params: Sequence[tuple[torch.Tensor, str, dict]], world_size: int = 1, mesh: DeviceMesh | None = None
+    params: Sequence[tuple[torch.Tensor, str, dict]],
+    ns_dtype: torch.dtype,
+    world_size: int = 1,
+    mesh: DeviceMesh | None = None,
 ) -> tuple[list[MatrixLayout], list[int]]:
     """The matrices of (parameter, name, group options) items, and the item each belongs to.
 
-    ``world_size`` is the number of ranks plain tensors are replicated on (DDP); ``mesh`` the
-    exchange mesh DTensors are described on (each parameter's own mesh when None)."""
+    Each matrix's Newton-Schulz form follows from its group's ``ns_algorithm``, coefficients and
+    shape, and ``ns_dtype``. ``world_size`` is the number of ranks plain tensors are replicated
+    on (DDP); ``mesh`` the exchange mesh DTensors are described on (each parameter's own mesh
+    when None)."""
     layouts, param_of = [], []
     for index, (param, name, group) in enumerate(params):
-        for layout in describe_param(param, name, group["ns_steps"], group["flatten"], group["split_sizes"],
+        coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+        segments = partial(ns_segments, group["ns_algorithm"], coefficients, ns_dtype)  # (rows, cols) -> segments
+        for layout in describe_param(param, name, segments, group["flatten"], group["split_sizes"],
                                      group["num_heads"], world_size, mesh):  # fmt: skip
             layouts.append(layout)
             param_of.append(index)

@@ -3,6 +3,13 @@
 Muon replaces a matrix's momentum M by an approximation of its polar factor U V^T (M = U S V^T),
 computed with odd matrix polynomials X <- a X + b (X X^T) X + c (X X^T)^2 X after a Frobenius
 normalisation that puts every singular value in [0, 1].
+
+Two forms of the same iteration, for an s x l matrix (s <= l): the standard one forms X X^T from
+X at every iteration, 2 s^2 l + s^3 multiply-adds each; the Gram form (Gram Newton-Schulz) keeps
+R = X X^T and the product Z of the iteration polynomials as s x s matrices and multiplies by X
+once at the end, so its l-wide work is per segment of iterations rather than per iteration. It
+pays for wide matrices (l / s above about 1.5 at five iterations) and gains nothing on square
+ones; ``ns_segments`` picks the form and ``gram_segments`` where it restarts.
 """
 
 from __future__ import annotations
@@ -104,54 +111,160 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+NS_ALGORITHMS = ("standard", "gram", "auto")
+
+# Gram segments in 4-byte and wider dtypes end before an R update would grow R's rounding noise
+# (negative eigenvalues of a rank-deficient X X^T, amplified by about a^2 per update) past this
+# many times fp32's eps (scaled by the dtype's eps). Measured on momentum matrices of a cpu-demo
+# training run (scripts/ns_accuracy.py): fp32 errors within 2.3e-5 of float64 at five, six and
+# eight iterations, Keller and Polar Express (standard: 1.3e-5), against up to 1e-3 without
+# restarts.
+GRAM_NOISE_BUDGET = 420.0
+
+
+def standard_segments(ns_steps: int) -> tuple[int, ...]:
+    """The standard form as segments: every iteration is its own (X X^T formed from X each time)."""
+    return (1,) * ns_steps
+
+
+def gram_segments(coefficients: Sequence[Coefficients], dtype: torch.dtype) -> tuple[int, ...]:
+    """Iterations per segment of Gram Newton-Schulz in ``dtype``: each segment starts from an
+    explicit X (a restart) and multiplies by X once at its end; a segment of one iteration is
+    a standard iteration.
+
+    In 2-byte dtypes the Gram iteration amplifies R's rounding noise within a few updates, so
+    only the first two and the last two iterations run as Gram pairs, the rest in standard form,
+    and fewer than five iterations run all standard. Measured on the momentum matrices of a
+    cpu-demo training run (scripts/ns_accuracy.py): of every restart placement of five
+    iterations, (2, 1, 2) is the cheapest whose bf16 error stays within 1.1x of standard
+    Newton-Schulz's with Keller's and Polar Express coefficients (the equally cheap (2, 2, 1)
+    reaches 1.4x, no restart 100x to 10^12x); the same rule stays within 1.1x at six and eight. Wider
+    dtypes restart only when ``GRAM_NOISE_BUDGET`` would be exceeded.
+    """
+    n = len(coefficients)
+    if dtype.itemsize <= 2:
+        return (2,) + (1,) * (n - 4) + (2,) if n >= 5 else standard_segments(n)
+    limit = GRAM_NOISE_BUDGET / torch.finfo(dtype).eps * torch.finfo(torch.float32).eps
+    segments, length, growth = [], 1, 1.0
+    for a, _, _ in coefficients[:-1]:
+        growth *= a * a
+        if growth > limit:
+            segments.append(length)
+            length, growth = 1, 1.0
+        else:
+            length += 1
+    return (*segments, length)
+
+
+def segments_flops(rows: int, cols: int, segments: Sequence[int]) -> int:
+    """Flops (2 per multiply-add) of Newton-Schulz on one rows x cols matrix run as ``segments``: per
+    segment of k iterations two s x l products (X X^T and the final Z X) and 4k - 3 s x s ones."""
+    s, l = min(rows, cols), max(rows, cols)
+    return sum(4 * s * s * l + 2 * s**3 * (4 * k - 3) for k in segments)
+
+
+def ns_segments(
+    algorithm: str, coefficients: Sequence[Coefficients], dtype: torch.dtype, rows: int, cols: int
+) -> tuple[int, ...]:
+    """The segments a rows x cols matrix runs: ``"standard"``, ``"gram"``, or ``"auto"`` (the
+    form with fewer flops for this shape; the standard one on a tie, e.g. square matrices)."""
+    if algorithm not in NS_ALGORITHMS:
+        raise ValueError(f"ns_algorithm must be one of {NS_ALGORITHMS}, got {algorithm!r}")
+    standard = standard_segments(len(coefficients))
+    if algorithm == "standard":
+        return standard
+    gram = gram_segments(coefficients, dtype)
+    if algorithm == "gram" or segments_flops(rows, cols, gram) < segments_flops(rows, cols, standard):
+        return gram
+    return standard
+
+
 @dataclass(frozen=True)
 class Workspace:
-    """Scratch for ``orthogonalize_`` on a (B, s, l) stack: the other iterate ``y`` and the s x s
-    products. Several stacks may share one (views of the same buffers) when they never run at
-    the same time."""
+    """Scratch for ``orthogonalize_`` on a (B, s, l) stack: the other iterate ``y`` and s x s
+    matrices (two for the standard form, four with Gram segments). Several stacks may share one
+    (views of the same buffers) when they never run at the same time."""
 
     y: Tensor
-    gram: Tensor
-    poly: Tensor
+    squares: tuple[Tensor, ...]
+
+    @staticmethod
+    def sizes(shape: Sequence[int], segments: Sequence[int]) -> tuple[int, int]:
+        """Elements of ``y`` and of all the s x s matrices for a (B, s, l) stack."""
+        b, s, l = shape
+        return b * s * l, b * s * s * (4 if max(segments) > 1 else 2)
 
     @classmethod
-    def for_stack(cls, stack: Tensor, flat: tuple[Tensor, Tensor, Tensor] | None = None) -> Workspace:
-        """Views of ``flat`` (three 1-D buffers, large enough) or new tensors, shaped for ``stack``."""
+    def for_stack(cls, stack: Tensor, segments: Sequence[int], flat: tuple[Tensor, Tensor] | None = None) -> Workspace:
+        """Views of ``flat`` (two 1-D buffers at least ``sizes`` long) or new tensors."""
         b, s, l = stack.shape
-        shapes = ((b, s, l), (b, s, s), (b, s, s))
+        y_size, squares_size = cls.sizes(stack.shape, segments)
         if flat is None:
-            return cls(*(stack.new_empty(shape) for shape in shapes))
-        return cls(*(buf[: math.prod(shape)].view(shape) for buf, shape in zip(flat, shapes)))
+            flat = stack.new_empty(y_size), stack.new_empty(squares_size)
+        squares = flat[1][:squares_size].view(-1, b, s, s)
+        return cls(flat[0][:y_size].view(b, s, l), tuple(squares))
 
 
-def orthogonalize_(x: Tensor, coefficients: Sequence[Coefficients], eps: float, work: Workspace) -> Tensor:
+def orthogonalize_(
+    x: Tensor, coefficients: Sequence[Coefficients], eps: float, work: Workspace, segments: Sequence[int]
+) -> Tensor:
     """Newton-Schulz in place on a stack ``x`` of shape (B, s, l), s <= l, in its own dtype.
 
-    Each matrix is divided by max(its Frobenius norm, eps), then each (a, b, c) runs
-    X <- a X + (b A + c A^2) X with A = X X^T. Iterates alternate between ``x`` and ``work.y``
-    (the normalisation writes to ``y`` when the iteration count is odd) so that the result
-    lands in ``x``; nothing is allocated but the norms.
+    Each matrix is divided by max(its Frobenius norm, eps), then each (a, b, c) applies
+    X <- Q X with Q = a I + b A + c A^2, A = X X^T, grouped into ``segments`` (see
+    ``_segment``; ``standard_segments`` for the usual form). Iterates alternate between ``x``
+    and ``work.y`` (the normalisation writes to ``y`` when the segment count is odd) so that the
+    result lands in ``x``; nothing is allocated but the norms.
     """
+    if sum(segments) != len(coefficients):
+        raise ValueError(f"segments {tuple(segments)} do not cover {len(coefficients)} iterations")
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps)
-    here, there = (x, x.mT), (work.y, work.y.mT)
-    if len(coefficients) % 2:
+    here, there = x, work.y
+    if len(segments) % 2:
         torch.div(x, norm, out=work.y)
         here, there = there, here
     else:
         x.div_(norm)
-    for a, b, c in coefficients:
-        src, src_t = here
-        torch.bmm(src, src_t, out=work.gram)
-        torch.baddbmm(work.gram, work.gram, work.gram, beta=b, alpha=c, out=work.poly)
-        torch.baddbmm(src, work.poly, src, beta=a, out=there[0])
+    start = 0
+    for length in segments:
+        _segment(here, there, coefficients[start : start + length], work.squares)
+        start += length
         here, there = there, here
     return x
 
 
+def _segment(x: Tensor, out: Tensor, coefficients: Sequence[Coefficients], squares: tuple[Tensor, ...]) -> None:
+    """out <- Q_k ... Q_1 x. One iteration: the standard step a X + (b A + c A^2) X. Several:
+    Gram Newton-Schulz, which never forms the iterates between: with R = X X^T, each Q is a
+    polynomial in R, R <- Q R Q and Z <- Q Z, and out = Z x at the end. Q's identity part is
+    applied through ``beta`` rather than added to a rounded matrix, except in the first Z."""
+    r, p = squares[:2]
+    torch.bmm(x, x.mT, out=r)
+    if len(coefficients) == 1:
+        a, b, c = coefficients[0]
+        torch.baddbmm(r, r, r, beta=b, alpha=c, out=p)
+        torch.baddbmm(x, p, x, beta=a, out=out)
+        return
+    z, t = squares[2:]
+    for k, (a, b, c) in enumerate(coefficients):
+        torch.baddbmm(r, r, r, beta=b, alpha=c, out=p)  # P = b R + c R^2, Q = a I + P
+        if k < len(coefficients) - 1:
+            torch.baddbmm(r, p, r, beta=a, out=t)  # T = Q R
+            torch.baddbmm(t, t, p, beta=a, out=r)  # R = T Q
+        if k == 0:
+            z, p = p, z
+            z.diagonal(dim1=-2, dim2=-1).add_(a)  # Z = Q
+        else:
+            torch.baddbmm(z, p, z, beta=a, out=t)  # Z <- Q Z
+            z, t = t, z
+    torch.bmm(z, x, out=out)
+
+
 def newton_schulz(
-    matrices: Tensor, coefficients: Sequence[Coefficients], eps: float, dtype: torch.dtype
+    matrices: Tensor, coefficients: Sequence[Coefficients], eps: float, dtype: torch.dtype, algorithm: str = "standard"
 ) -> Tensor:
-    """Orthogonalize a batch of matrices (B, m, n), or one matrix (m, n), in ``dtype``.
+    """Orthogonalize a batch of matrices (B, m, n), or one matrix (m, n), in ``dtype``, in the
+    form ``algorithm`` picks for their shape (see ``ns_segments``).
 
     Tall matrices are transposed so the Gram matrix is the smaller side; each matrix is divided
     by max(its Frobenius norm, eps). Returns a new tensor of the input's shape in ``dtype``.
@@ -159,12 +272,12 @@ def newton_schulz(
     x = matrices.unsqueeze(0) if matrices.ndim == 2 else matrices
     tall = x.shape[-2] > x.shape[-1]
     stack = (x.mT if tall else x).to(dtype, copy=True).contiguous()
-    orthogonalize_(stack, coefficients, eps, Workspace.for_stack(stack))
+    segments = ns_segments(algorithm, coefficients, dtype, *stack.shape[-2:])
+    orthogonalize_(stack, coefficients, eps, Workspace.for_stack(stack, segments), segments)
     out = stack.mT if tall else stack
     return out.squeeze(0) if matrices.ndim == 2 else out
 
 
 def newton_schulz_flops(rows: int, cols: int, ns_steps: int) -> int:
-    """Multiply-add flops of ``newton_schulz`` on one rows x cols matrix."""
-    s, l = min(rows, cols), max(rows, cols)
-    return ns_steps * (4 * s * s * l + 2 * s * s * s)
+    """Flops (2 per multiply-add) of standard Newton-Schulz on one rows x cols matrix."""
+    return segments_flops(rows, cols, standard_segments(ns_steps))

@@ -36,6 +36,11 @@ class DMuonFSDP(Optimizer):
 
     - ``ns_coefficients``: one (a, b, c) triple, a list of per-iteration triples (iterations past
       its end reuse the last), or a name: ``"muon"`` or ``"polar_express"``.
+    - ``ns_algorithm`` (per group): ``"standard"`` Newton-Schulz; ``"gram"``, Gram Newton-Schulz,
+      the same polynomials iterated on the s x s matrix X X^T, with restarts that keep low
+      precision accurate (``dmuon_fsdp.newton_schulz.gram_segments``); or ``"auto"``, per matrix
+      shape the form with fewer flops (Gram for wide MLP matrices, standard for square ones).
+      The planner balances owners by the flops of the form each matrix runs.
     - ``ns_dtype``: dtype of the Newton-Schulz matmuls; None = bf16 on CUDA, fp32 otherwise.
     - ``comm_dtype``: dtype of the all-to-all buffers; None = ``ns_dtype``. A float dtype of at
       least 16 bits (the step's check flags travel in it).
@@ -90,8 +95,8 @@ class DMuonFSDP(Optimizer):
 
     The first ``step`` compiles a step program (``dmuon_fsdp.compiler``): the plan, every buffer and
     every view a step needs. It is rebuilt when the set of parameters with gradients or a Muon
-    group's structural option (ns_steps, ns_coefficients, eps, adjust_lr_fn, flatten,
-    split_sizes, num_heads) changes, and rebound when a parameter's storage is replaced or
+    group's structural option (ns_steps, ns_coefficients, ns_algorithm, eps, adjust_lr_fn,
+    flatten, split_sizes, num_heads) changes, and rebound when a parameter's storage is replaced or
     ``load_state_dict`` replaces the state; lr, momentum, nesterov, weight_decay and AdamW's
     settings are read at every step. ``plan`` shows the plan in use.
 
@@ -110,6 +115,7 @@ class DMuonFSDP(Optimizer):
         weight_decay: float = 0.0,
         ns_steps: int = 5,
         ns_coefficients: Any = MUON_COEFFICIENTS,
+        ns_algorithm: str = "standard",
         eps: float = 1e-7,
         adjust_lr_fn: str | None = None,
         ns_dtype: torch.dtype | None = None,
@@ -150,7 +156,7 @@ class DMuonFSDP(Optimizer):
         self._route = routing(route) if route is not None else None
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
+            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm, eps=eps,
             adjust_lr_fn=adjust_lr_fn, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
             adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
             flatten=flatten, split_sizes=split_sizes, num_heads=num_heads,

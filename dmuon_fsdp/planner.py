@@ -50,7 +50,7 @@ class Plan:
 
     def signature(self) -> int:
         """A checksum of everything ranks must agree on to exchange (not the matrices' names)."""
-        shapes = [(m.rows, m.cols, m.ns_steps, m.pieces, m.replicas) for m in self.matrices]
+        shapes = [(m.rows, m.cols, m.ns_segments, m.pieces, m.replicas) for m in self.matrices]
         return zlib.crc32(repr((shapes, self.owners, [b.matrices for b in self.buckets])).encode())
 
     def loads(self) -> list[int]:

@@ -60,15 +60,17 @@ class Exchange:
 
 @dataclass(frozen=True)
 class Batch:
-    """Matrices of one shape and NS settings, stacked (B, s, l) and orthogonalized in place."""
+    """Matrices of one shape and NS settings (coefficients, eps, form), stacked (B, s, l) and
+    orthogonalized in place."""
 
     stack: Tensor
     coefficients: tuple[Coefficients, ...]
     eps: float
+    segments: tuple[int, ...]
     work: Workspace
 
     def orthogonalize(self) -> None:
-        orthogonalize_(self.stack, self.coefficients, self.eps, self.work)
+        orthogonalize_(self.stack, self.coefficients, self.eps, self.work, self.segments)
 
 
 @dataclass(frozen=True)

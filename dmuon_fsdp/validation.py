@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
 from dmuon_fsdp import comm
-from dmuon_fsdp.newton_schulz import resolve_coefficients
+from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
 from dmuon_fsdp.layouts import describe_params, mesh_dims_in
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -84,6 +85,8 @@ def check_muon_group(group: dict[str, Any]) -> None:
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")
     resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+    if group["ns_algorithm"] not in NS_ALGORITHMS:
+        raise ValueError(f"ns_algorithm must be one of {NS_ALGORITHMS}, got {group['ns_algorithm']!r}")
     split_sizes, num_heads = group["split_sizes"], group["num_heads"]
     if split_sizes is not None and num_heads is not None:
         raise ValueError("set at most one of split_sizes and num_heads")
@@ -140,7 +143,8 @@ def check_new_groups(
                     raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
             if not new["use_muon"]:
                 continue
-            describe_params([(p, name, merged)], comm.default_world_size())  # raises for unsupported layouts
+            # raises for unsupported layouts (the NS dtype only sets each matrix's NS form)
+            describe_params([(p, name, merged)], torch.float32, comm.default_world_size())
             meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
     exchange_mesh(meshes)
     return meshes

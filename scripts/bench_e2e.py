@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from dmuon_fsdp import param_groups  # noqa: E402
-from dmuon_fsdp.newton_schulz import newton_schulz_flops  # noqa: E402
+from dmuon_fsdp.newton_schulz import newton_schulz_flops, standard_segments  # noqa: E402
 from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts  # noqa: E402
 from dmuon_fsdp.planner import build_plan  # noqa: E402
 from matmul_floor import bmm_seconds  # noqa: E402
@@ -47,11 +47,12 @@ def dmuon_ns_floor_ms(cfg, world: int) -> tuple[float, float]:
     """(busiest rank's NS GFLOP, its bmm floor in ms) for the model's Muon matrices."""
     torch.set_num_threads(1)
     shapes = [tuple(p.shape) for _, p in param_groups(Transformer(cfg))[0]["params"]]
-    layouts = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world), 5) for i, (r, c) in enumerate(shapes)]
+    layouts = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world), standard_segments(5))
+               for i, (r, c) in enumerate(shapes)]
     plan = build_plan(layouts, world, 128 * 2**20, 4)
     loads = plan.loads()
     busiest = max(range(world), key=loads.__getitem__)
-    floor = bmm_seconds(plan, busiest, torch.float32, torch.device("cpu"), ns_steps=5)
+    floor = bmm_seconds(plan, busiest, torch.float32, torch.device("cpu"))
     return loads[busiest] / 1e9, floor * 1e3
 
 

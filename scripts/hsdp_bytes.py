@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts, replicated  # noqa: E402
+from dmuon_fsdp.newton_schulz import standard_segments  # noqa: E402
 from dmuon_fsdp.planner import build_plan  # noqa: E402
 from model_shapes import LLAMA_SHAPES  # noqa: E402
 
@@ -36,7 +37,8 @@ def _spread(sent: list[int]) -> tuple[float, float]:
 def compare(shapes: list[tuple[int, int]], replicas: int, shards: int) -> dict[str, tuple[float, float, float]]:
     """{scheme: (max and mean MiB sent per rank, busiest rank's NS GFLOP)}."""
     world = replicas * shards
-    rows_only = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, shards), 5) for i, (r, c) in enumerate(shapes)]
+    rows_only = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, shards), standard_segments(5))
+                 for i, (r, c) in enumerate(shapes)]
     per_replica = build_plan(rows_only, shards, 2**40, BYTES)
     ours = build_plan([replicated(m, replicas) for m in rows_only], world, 2**40, BYTES)
     two_step = []

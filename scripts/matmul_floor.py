@@ -31,29 +31,34 @@ def _best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
     return min(samples)
 
 
-def bmm_chain_seconds(batch: int, s: int, l: int, ns_steps: int, dtype: torch.dtype, device: torch.device) -> float:
-    """Time of the NS products alone (X X^T, A A, B X per step) for a batch of s x l matrices."""
+def bmm_chain_seconds(
+    batch: int, s: int, l: int, segments: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> float:
+    """Time of the NS products alone for a batch of s x l matrices run as ``segments`` (see
+    ``newton_schulz.segments_flops``): per segment X X^T and one s x s by s x l product, and
+    4k - 3 s x s products for k iterations."""
     x = torch.randn(batch, s, l, dtype=dtype, device=device)
     a = torch.randn(batch, s, s, dtype=dtype, device=device)
 
     def products():
-        for _ in range(ns_steps):
+        for k in segments:
             torch.bmm(x, x.mT)
-            torch.bmm(a, a)
+            for _ in range(4 * k - 3):
+                torch.bmm(a, a)
             torch.bmm(a, x)
 
     return _best_seconds(products, device)
 
 
-def bmm_seconds(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device, ns_steps: int) -> float:
-    """Least NS time of ``rank`` under ``plan``: its owned batches, per bucket and (short, long)
-    side (DMuonFSDP stacks tall matrices transposed with wide ones), as bmm."""
+def bmm_seconds(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Least NS time of ``rank`` under ``plan``: its owned batches, per bucket, (short, long)
+    side (DMuonFSDP stacks tall matrices transposed with wide ones) and NS form, as bmm."""
     total = 0.0
     for bucket in plan.buckets:
         matrices = [plan.matrices[j] for j in plan.owned_by(bucket, rank)]
-        shapes = Counter((min(m.rows, m.cols), max(m.rows, m.cols)) for m in matrices)
-        for (s, l), batch in shapes.items():
-            total += bmm_chain_seconds(batch, s, l, ns_steps, dtype, device)
+        shapes = Counter((min(m.rows, m.cols), max(m.rows, m.cols), m.ns_segments) for m in matrices)
+        for (s, l, segments), batch in shapes.items():
+            total += bmm_chain_seconds(batch, s, l, segments, dtype, device)
     return total
 
 

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts  # noqa: E402
+from dmuon_fsdp.newton_schulz import standard_segments  # noqa: E402
 from dmuon_fsdp.planner import assignment_lower_bound, build_plan  # noqa: E402
 from model_shapes import LLAMA_SHAPES  # noqa: E402
 
@@ -30,7 +31,7 @@ def main() -> None:
     for model, shapes in LLAMA_SHAPES.items():
         for world in args.world_sizes:
             matrices = [
-                MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world), args.ns_steps)
+                MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world), standard_segments(args.ns_steps))
                 for i, (r, c) in enumerate(shapes)
             ]
             loads = build_plan(matrices, world, 2**62, 2).loads()

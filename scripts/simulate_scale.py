@@ -7,7 +7,10 @@ Muon and AdamW, and plots step time against W.
 The model (per rank, per optimizer step; matrices only: embeddings, head and vectors are left
 out, they cost the same under every optimizer):
 - Newton-Schulz time = NS flops on the rank / (peak bf16 TFLOP/s x --ns-efficiency).
-  DMuonFSDP: the busiest rank's owned matrices; gather-all: every matrix on every rank.
+  DMuonFSDP: the busiest rank's owned matrices, each in the form ``ns_algorithm`` picks for it in
+  bf16 (one plan per --ns-algorithms entry: "auto" runs Gram Newton-Schulz where it needs fewer
+  flops, with its restarts; the same efficiency is assumed for both forms); gather-all: every
+  matrix on every rank, standard form.
 - Exchange time = bytes sent / --link-gbs (links are full duplex; sent = received here).
   DMuonFSDP: the plan's bytes for the busiest sender (bf16 shards to owners and rows back);
   gather-all: an all-gather of every matrix, (W-1)/W of all matrix bytes.
@@ -31,7 +34,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), os.path.dirname(__file__)]
 
+import torch  # noqa: E402
+
 from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts  # noqa: E402
+from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, NS_ALGORITHMS, ns_segments, resolve_coefficients  # noqa: E402
 from dmuon_fsdp.planner import assignment_lower_bound, build_plan, makespan_lower_bound  # noqa: E402
 from model_shapes import LLAMA_SHAPES, MOE_SHAPES  # noqa: E402
 
@@ -42,25 +48,34 @@ STATE_BYTES_PER_PARAM = 28
 WIRE_BYTES = 2  # bf16
 
 
+def layouts_for(shapes: list[tuple[int, int]], world: int, algorithm: str, ns_steps: int) -> list[MatrixLayout]:
+    coefficients = resolve_coefficients(MUON_COEFFICIENTS, ns_steps)
+    return [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world),
+                                     ns_segments(algorithm, coefficients, torch.bfloat16, r, c))
+            for i, (r, c) in enumerate(shapes)]  # fmt: skip
+
+
 def simulate(shapes: list[tuple[int, int]], world: int, args: argparse.Namespace) -> dict:
-    layouts = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world), args.ns_steps) for i, (r, c) in enumerate(shapes)]
-    plan = build_plan(layouts, world, args.bucket_mib * 2**20, WIRE_BYTES)
-    loads = plan.loads()
-    costs = [m.cost for m in layouts]
-    params = sum(m.numel for m in layouts)
+    """A DMuonFSDP step time per --ns-algorithms entry; balance and bytes of the first one's plan."""
     rate = args.tflops * 1e12 * args.ns_efficiency
     link = args.link_gbs * 1e9
+    params = sum(r * c for r, c in shapes)
     elementwise = params / world * STATE_BYTES_PER_PARAM / (args.hbm_gbs * 1e9)
-    sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
-    dmuon = elementwise + max(loads) / rate + sent / link
-    gather = elementwise + sum(costs) / rate + params * WIRE_BYTES * (world - 1) / world / link
-    return {
-        "world": world, "matrices": len(shapes), "params": params,
-        "busiest_over_bound": max(loads) / assignment_lower_bound(costs, world),
-        "busiest_over_l2_bound": max(loads) / makespan_lower_bound(costs, world),
-        "max_over_mean": max(loads) * world / sum(loads),
-        "sent_mib": sent / 2**20, "dmuon_ms": dmuon * 1e3, "gather_ms": gather * 1e3, "adamw_ms": elementwise * 1e3,
-    }  # fmt: skip
+    standard = [m.cost for m in layouts_for(shapes, world, "standard", args.ns_steps)]
+    gather = elementwise + sum(standard) / rate + params * WIRE_BYTES * (world - 1) / world / link
+    row: dict = {"world": world, "matrices": len(shapes), "params": params, "gather_ms": gather * 1e3,
+                 "adamw_ms": elementwise * 1e3, "dmuon_ms": {}}  # fmt: skip
+    for algorithm in args.ns_algorithms:
+        layouts = layouts_for(shapes, world, algorithm, args.ns_steps)
+        plan = build_plan(layouts, world, args.bucket_mib * 2**20, WIRE_BYTES)
+        loads, costs = plan.loads(), [m.cost for m in layouts]
+        sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
+        row["dmuon_ms"][algorithm] = (elementwise + max(loads) / rate + sent / link) * 1e3
+        if algorithm == args.ns_algorithms[0]:
+            row.update(busiest_over_bound=max(loads) / assignment_lower_bound(costs, world),
+                       busiest_over_l2_bound=max(loads) / makespan_lower_bound(costs, world),
+                       max_over_mean=max(loads) * world / sum(loads), sent_mib=sent / 2**20)  # fmt: skip
+    return row
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -73,7 +88,9 @@ def plot(results: dict, path: Path, title: str) -> None:
     for i, (model, rows) in enumerate(results.items()):
         color = f"C{i}"
         ws = [r["world"] for r in rows]
-        ax.plot(ws, [r["dmuon_ms"] for r in rows], "-o", color=color, label=f"{model} DMuonFSDP")
+        for algorithm, marker in zip(rows[0]["dmuon_ms"], "os^"):
+            ax.plot(ws, [r["dmuon_ms"][algorithm] for r in rows], f"-{marker}", color=color,
+                    label=f"{model} DMuonFSDP {algorithm}")  # fmt: skip
         ax.plot(ws, [r["gather_ms"] for r in rows], "--", color=color, label=f"{model} gather-all Muon")
         ax.plot(ws, [r["adamw_ms"] for r in rows], ":", color=color, label=f"{model} AdamW")
     ax.set(xscale="log", yscale="log", xlabel="world size W", ylabel="predicted optimizer step (ms)", title=title)
@@ -92,6 +109,8 @@ def main() -> None:
     parser.add_argument("--link-gbs", type=float, default=50.0, help="network GB/s per GPU, each direction")
     parser.add_argument("--ns-efficiency", type=float, default=0.5, help="achieved fraction of peak in NS")
     parser.add_argument("--ns-steps", type=int, default=5)
+    parser.add_argument("--ns-algorithms", nargs="+", default=["standard", "auto"], choices=NS_ALGORITHMS,
+                        help="DMuonFSDP's ns_algorithm, one predicted step per entry")  # fmt: skip
     parser.add_argument("--bucket-mib", type=int, default=128)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -103,15 +122,20 @@ def main() -> None:
     title = (f"{args.gpu}: {args.tflops:g} TFLOP/s x {args.ns_efficiency:g}, {args.link_gbs:g} GB/s link, "
              f"{args.hbm_gbs:g} GB/s HBM")  # fmt: skip
     print(f"## Predicted optimizer step, {title}\n")
-    print("| model | W | matrices | busiest / bound | busiest / L2 bound | max / mean | MiB sent per rank "
-          "| DMuonFSDP ms | gather-all Muon ms | AdamW ms | gather-all / DMuonFSDP |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    algorithms, first = args.ns_algorithms, args.ns_algorithms[0]
+    header = ["model", "W", "matrices", "busiest / bound", "busiest / L2 bound", "max / mean", "MiB sent per rank",
+              *(f"DMuonFSDP {a} ms" for a in algorithms), "gather-all Muon ms", "AdamW ms",
+              f"gather-all / DMuonFSDP {first}", *(f"{first} / {a}" for a in algorithms[1:])]  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|---|" + "---:|" * (len(header) - 1))
     for model, rows in results.items():
         for r in rows:
-            print(f"| {model} | {r['world']} | {r['matrices']} | {r['busiest_over_bound']:.3f} | "
-                  f"{r['busiest_over_l2_bound']:.3f} | {r['max_over_mean']:.2f} | {r['sent_mib']:.0f} | "
-                  f"{r['dmuon_ms']:.1f} | {r['gather_ms']:.1f} | {r['adamw_ms']:.2f} | "
-                  f"{r['gather_ms'] / r['dmuon_ms']:.1f}x |")  # fmt: skip
+            ms = r["dmuon_ms"]
+            cells = [model, r["world"], r["matrices"], f"{r['busiest_over_bound']:.3f}", f"{r['busiest_over_l2_bound']:.3f}",
+                     f"{r['max_over_mean']:.2f}", f"{r['sent_mib']:.0f}", *(f"{ms[a]:.1f}" for a in algorithms),
+                     f"{r['gather_ms']:.1f}", f"{r['adamw_ms']:.2f}", f"{r['gather_ms'] / ms[first]:.1f}x",
+                     *(f"{ms[first] / ms[a]:.2f}x" for a in algorithms[1:])]  # fmt: skip
+            print("| " + " | ".join(map(str, cells)) + " |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

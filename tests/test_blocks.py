@@ -3,6 +3,7 @@ orthogonalized as if it were its own parameter, wherever shard boundaries fall."
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -80,10 +81,10 @@ def test_blocks_single_process():
         assert relative_error(model.ws[name].detach(), expected[name]) <= 1e-5, name
 
 
-def sharded_blocks(rank, world_size):
+def sharded_blocks(rank, world_size, ns_algorithm):
     model = Fused()
     fully_shard(model, mesh=cpu_mesh())
-    opt = DMuonFSDP(_groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
+    opt = DMuonFSDP(_groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm=ns_algorithm)
     _train(model, opt)
     params = {n: model.ws[n].full_tensor() for n in CASES}
     # An optimizer over the expert stack alone: experts sharded on the expert dim stay put.
@@ -93,10 +94,12 @@ def sharded_blocks(rank, world_size):
     return params, experts_only.last_step_stats.bytes_sent
 
 
-def test_blocks_across_shard_boundaries_match_separate_matrices():
+@pytest.mark.parametrize("ns_algorithm", ["standard", "gram"])
+def test_blocks_across_shard_boundaries_match_separate_matrices(ns_algorithm):
     # W=3 cuts 20 rows 7/7/6, so QKV's and the heads' blocks straddle ranks; one expert per rank.
+    # The reference runs standard Newton-Schulz on each block; "gram" runs every block in the Gram form.
     expected = _reference()
-    results = run_ranks(sharded_blocks, 3)
+    results = run_ranks(sharded_blocks, 3, ns_algorithm)
     for name in CASES:
         assert relative_error(results[0][0][name], expected[name]) <= 1e-5, name
     assert all(sent == 0 for _, sent in results), "experts sharded on the expert dim must not move"

@@ -65,11 +65,11 @@ def test_random_layouts_match_the_reference(shapes, world_size, seed):
 
 
 def test_same_seed_is_bitwise_identical_and_world_sizes_agree():
-    first = run_ranks(sharded_run, 2)[0]
-    again = run_ranks(sharded_run, 2)[0]
+    first = run_ranks(sharded_run, 2, "auto")[0]
+    again = run_ranks(sharded_run, 2, "auto")[0]
     for name, value in first.items():
         assert torch.equal(value, again[name]), f"two runs differ in {name}"
     for world_size in (1, 3, 4):
-        other = run_ranks(sharded_run, world_size)[0]
+        other = run_ranks(sharded_run, world_size, "auto")[0]
         for name, value in first.items():
             assert relative_error(other[name], value) <= 1e-6, (world_size, name)

@@ -20,7 +20,9 @@ from dmuon_fsdp.program import Batch
 from reference import reference_muon_step, relative_error
 from spawn import run_ranks
 
-OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
+# "auto" runs (5, 16), the conv (6, 27) and (8, 40) in the Gram form and (13, 9), (9, 13) in the
+# standard one, so every layout below runs both forms; the reference is standard Newton-Schulz.
+OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm="auto")
 REFERENCE = dict(lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.1, coefficients=(3.4445, -4.7750, 2.0315),
                  steps=5, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
 STEPS = 3

@@ -11,13 +11,16 @@ import pytest
 import torch
 
 from dmuon_fsdp.layouts import MatrixLayout, Piece, chunk_row_counts, replicated
+from dmuon_fsdp.newton_schulz import standard_segments
 from dmuon_fsdp.planner import assign_owners, assignment_lower_bound, build_plan, makespan_lower_bound
 from model_shapes import LLAMA_SHAPES
 
+FIVE = standard_segments(5)  # five standard Newton-Schulz iterations
 
-def layouts(shapes, world_size, ns_steps=5):
+
+def layouts(shapes, world_size):
     return [
-        MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world_size), ns_steps)
+        MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world_size), FIVE)
         for i, (r, c) in enumerate(shapes)
     ]
 
@@ -96,15 +99,15 @@ def test_lower_bound_terms():
 
 def test_rejects_pieces_that_do_not_tile_the_matrix():
     with pytest.raises(ValueError, match="'w'.*2 ranks"):
-        build_plan([MatrixLayout.row_sharded("w", 5, 3, (2, 3), 5)], 3, 2**20, 4)
+        build_plan([MatrixLayout.row_sharded("w", 5, 3, (2, 3), FIVE)], 3, 2**20, 4)
     with pytest.raises(ValueError, match="'w'.*replica 0 hold 12 elements, not 15"):
-        build_plan([MatrixLayout.row_sharded("w", 5, 3, (2, 2), 5)], 2, 2**20, 4)
+        build_plan([MatrixLayout.row_sharded("w", 5, 3, (2, 2), FIVE)], 2, 2**20, 4)
 
 
 @pytest.mark.parametrize("replicas,shards", [(2, 2), (3, 2), (2, 3)])
 def test_replicated_matrices_gather_one_copy_and_scatter_to_all(replicas, shards):
     world = replicas * shards
-    matrices = [replicated(MatrixLayout.row_sharded(f"m{i}", 7 + i, 5, chunk_row_counts(7 + i, shards), 5), replicas)
+    matrices = [replicated(MatrixLayout.row_sharded(f"m{i}", 7 + i, 5, chunk_row_counts(7 + i, shards), FIVE), replicas)
                 for i in range(2 * world)]
     plan = build_plan(matrices, world, 2**20, 4)
     assert sorted(set(plan.owners)) == list(range(world)), "owners spread over every replica"
@@ -123,7 +126,7 @@ def test_replicated_matrices_gather_one_copy_and_scatter_to_all(replicas, shards
 def test_ddp_layout_sends_only_results():
     world, rows, cols = 3, 6, 4
     full = Piece(0, rows, 0, cols)
-    matrices = [MatrixLayout(f"m{i}", rows, cols, (full,) * world, 5, tuple(range(world))) for i in range(3)]
+    matrices = [MatrixLayout(f"m{i}", rows, cols, (full,) * world, FIVE, tuple(range(world))) for i in range(3)]
     plan = build_plan(matrices, world, 2**20, 4)
     assert sorted(plan.owners) == [0, 1, 2]
     for r in range(world):
@@ -183,7 +186,7 @@ def test_replicated_experts_are_owned_where_they_live():
     experts = []
     for e in range(4):
         counts = [rows if s == e else 0 for s in range(4)]
-        experts.append(replicated(MatrixLayout.row_sharded(f"e{e}", rows, cols, counts, 5), 2))
+        experts.append(replicated(MatrixLayout.row_sharded(f"e{e}", rows, cols, counts, FIVE), 2))
     plan = build_plan(experts, world, 2**20, 4)
     for e, owner in enumerate(plan.owners):
         assert owner in (e, 4 + e)

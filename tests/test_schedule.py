@@ -7,12 +7,15 @@ import random
 import pytest
 
 from dmuon_fsdp.layouts import EMPTY, MatrixLayout, Piece, chunk_row_counts, replicated
+from dmuon_fsdp.newton_schulz import standard_segments
 from dmuon_fsdp.planner import build_plan
 from dmuon_fsdp.schedule import FLAG_ELEMENTS, check, rank_schedule
 
+FIVE = standard_segments(5)  # five standard Newton-Schulz iterations
+
 
 def row_sharded(shapes, world):
-    return [MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world), 5) for i, (r, c) in enumerate(shapes)]
+    return [MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world), FIVE) for i, (r, c) in enumerate(shapes)]
 
 
 def column_blocks(rows, cols, world):
@@ -21,7 +24,7 @@ def column_blocks(rows, cols, world):
     for count in chunk_row_counts(cols, world):
         pieces.append(Piece(0, rows, start, count) if count else EMPTY)
         start += count
-    return MatrixLayout(f"c{rows}x{cols}", rows, cols, tuple(pieces), 5)
+    return MatrixLayout(f"c{rows}x{cols}", rows, cols, tuple(pieces), FIVE)
 
 
 def layouts_for(kind, world, rng):
@@ -33,7 +36,7 @@ def layouts_for(kind, world, rng):
     if kind == "hsdp":
         shards = world // 2
         return [replicated(m, 2) for m in row_sharded(shapes, shards)]
-    full = [MatrixLayout(f"d{i}", r, c, (Piece(0, r, 0, c),) * world, 5, tuple(range(world))) for i, (r, c) in enumerate(shapes)]
+    full = [MatrixLayout(f"d{i}", r, c, (Piece(0, r, 0, c),) * world, FIVE, tuple(range(world))) for i, (r, c) in enumerate(shapes)]
     return full  # DDP: every rank holds every matrix
 
 
@@ -76,7 +79,7 @@ def test_every_segment_matches_the_peer_that_reads_it(kind, world):
 def test_ddp_sends_nothing_forward_and_a_flags_only_first_exchange():
     world = 3
     full = Piece(0, 6, 0, 4)
-    plan = build_plan([MatrixLayout(f"m{i}", 6, 4, (full,) * world, 5, tuple(range(world))) for i in range(3)],
+    plan = build_plan([MatrixLayout(f"m{i}", 6, 4, (full,) * world, FIVE, tuple(range(world))) for i in range(3)],
                       world, 2**20, 4)  # fmt: skip
     for r in range(world):
         (bucket,) = rank_schedule(plan, r, range(world)).buckets

@@ -32,7 +32,9 @@ def test_simulate_scale_predicts_dmuon_below_gather_all(tmp_path):
     rows = json.loads(out.read_text())["results"]["llama-1b"]
     for row in rows:
         assert row["busiest_over_l2_bound"] >= 1 - 1e-9
-        assert row["dmuon_ms"] < row["gather_ms"]
+        assert row["dmuon_ms"]["standard"] < row["gather_ms"]
+        # llama-1b's MLP matrices (2048 x 8192) carry fewer flops in the Gram form, square ones the same
+        assert row["dmuon_ms"]["auto"] < row["dmuon_ms"]["standard"]
     assert out.with_suffix(".png").stat().st_size > 0
 
 

@@ -93,7 +93,7 @@ def dmuon_breakdown(model, ns_dtype, steps, device, world) -> dict:
     stats = per_step[-1]
     plan, me = opt.plan, opt.exchange_rank
     element = torch.empty((), dtype=ns_dtype).element_size()
-    floor = bmm_seconds(plan, me, ns_dtype, device, ns_steps=5)
+    floor = bmm_seconds(plan, me, ns_dtype, device)
     mine = {
         "seconds": {ph: statistics.median(s.seconds.get(ph, 0.0) for s in per_step) for ph in PHASES},
         "ns_flops": stats.ns_flops,
@@ -107,22 +107,30 @@ def dmuon_breakdown(model, ns_dtype, steps, device, world) -> dict:
     return {"ranks": everyone, "buckets": len(plan.buckets), "matrices": len(plan.matrices)}
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    cuda = torch.cuda.is_available() and not args.cpu
+def sharded_model(rank: int, world: int, port: int, preset_name: str, cpu: bool, threads: int):
+    """(device, model): this rank's process group (NCCL on its GPU, else gloo with ``threads``
+    torch threads) and the preset model with every block and the root under ``fully_shard``."""
+    cuda = torch.cuda.is_available() and not cpu
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)  # fmt: skip
-    ns_dtype = default_ns_dtype(device) if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype)
     torch.manual_seed(0)
-    model = Transformer(preset(args.preset)).to(device)
+    model = Transformer(preset(preset_name)).to(device)
     mesh = init_device_mesh(device.type, (world,))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return device, model
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    device, model = sharded_model(rank, world, port, args.preset, args.cpu, args.threads)
+    cuda = device.type == "cuda"
+    ns_dtype = default_ns_dtype(device) if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype)
     results: dict = {"contenders": {}}
     for name in args.contenders:
         torch.manual_seed(1)

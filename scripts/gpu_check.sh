@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks, one command on a CUDA machine (uses its python3 and torch, no install):
 # correctness against the float64 reference on NCCL, Newton-Schulz throughput, the optimizer
-# benchmark on the 124M preset, a short pretraining run, and the layout tests under this torch.
+# benchmark on the 124M preset, standard against Gram Newton-Schulz (per shape in bf16, and the
+# 124M step with ns_algorithm="auto"), a short pretraining run, and the layout tests under this torch.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,8 @@ step 150 torchrun --standalone --nproc-per-node "$GPUS" scripts/check_cuda.py
 step 90 python3 scripts/bench_optimizer.py --ns-throughput --out "$OUT/bench.json"
 step 90 python3 scripts/bench_optimizer.py --ns-throughput --preset 124m --out "$OUT/bench_124m_ns.json"
 step 150 python3 scripts/bench_optimizer.py --world-size "$GPUS" --preset 124m --out "$OUT/bench_124m.json"
+step 120 python3 scripts/bench_ns_forms.py --presets cpu-bench 124m 1b --dtype bfloat16 --out "$OUT/ns_forms.json"
+step 120 python3 scripts/bench_ns_forms.py --step --preset 124m --world-size "$GPUS" --steps 30 --out "$OUT/ns_forms_step.json"
 for opt in dmuon adamw; do
     step 150 torchrun --standalone --nproc-per-node "$GPUS" recipes/pretrain.py --preset 124m --optimizer $opt \
         --steps 60 --val-every 30 --no-progress --run-dir "$OUT/pretrain_$opt"

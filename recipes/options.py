@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dmuon_fsdp.newton_schulz import NS_ALGORITHMS
 from recipes.model import PRESETS
 
 DEFAULT_LR = {"dmuon": 0.01, "torch-muon": 0.01, "adamw": 3e-3}  # from scripts/lr_sweep.sh
@@ -58,6 +59,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                      help="peak lr; the Muon lr for dmuon/torch-muon (default: 0.01 for Muon, 3e-3 for adamw)")
     opt.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW lr of embeddings, head and vectors in Muon runs")
     opt.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay")
+    opt.add_argument("--ns-algorithm", default=None, choices=NS_ALGORITHMS,
+                     help="DMuonFSDP's Newton-Schulz form: standard, gram, or auto (Gram where it needs fewer "
+                          "flops: the MLP matrices) (default: standard)")  # fmt: skip
     opt.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     opt.add_argument("--decay", default="cosine", choices=["cosine", "linear"], help="lr decay after warm-up")
     opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
@@ -129,5 +133,7 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--replicas {args.replicas} does not divide the world size {world_size}")
     if args.data and args.text:
         raise UsageError("pass at most one of --data and --text")
+    if args.ns_algorithm is not None and args.optimizer != "dmuon":
+        raise UsageError(f"--ns-algorithm applies to --optimizer dmuon only (got --optimizer {args.optimizer})")
     if args.overwrite and args.resume == "auto":
         raise UsageError("--overwrite and --resume auto contradict each other: pass one")

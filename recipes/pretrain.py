@@ -112,7 +112,8 @@ def build_optimizers(args: argparse.Namespace, model: torch.nn.Module) -> list[t
         return [torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=wd)]
     groups = param_groups(model, lr=args.lr, weight_decay=wd)
     if args.optimizer == "dmuon":
-        return [DMuonFSDP(groups, adamw_lr=args.adamw_lr, adamw_weight_decay=wd)]
+        return [DMuonFSDP(groups, adamw_lr=args.adamw_lr, adamw_weight_decay=wd,
+                          ns_algorithm=args.ns_algorithm or "standard")]
     muon, adamw = ([p for _, p in g["params"]] for g in groups)
     return [
         torch.optim.Muon(muon, lr=args.lr, weight_decay=wd),

@@ -156,7 +156,8 @@ def _continued_losses(history):
     return [history["losses"][s] for s in range(5, 9)]
 
 
-@pytest.mark.parametrize("optimizer,layout", [("dmuon", []), ("adamw", []), ("dmuon", ["--replicas", "2"])])
+@pytest.mark.parametrize("optimizer,layout",
+                         [("dmuon", ["--ns-algorithm", "auto"]), ("adamw", []), ("dmuon", ["--replicas", "2"])])
 def test_resume_continues_exactly(tmp_path, cache, optimizer, layout):
     full = run_ranks(run_recipe, 2, tmp_path / "a", cache, ["--optimizer", optimizer, "--save-every", "4", *layout])[0]
     checkpoint = str(tmp_path / "a/checkpoints/step_0000004")

@@ -74,6 +74,8 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
         "--steps 0 in a used run dir": (["--steps", "0", "--run-dir", str(used)], {}, "--steps must be at least 1 (got 0)"),
         "negative lr": (["--lr", "-0.01"], {}, "--lr must be positive (got -0.01)"),
         "negative AdamW lr": (["--adamw-lr", "-0.001"], {}, "--adamw-lr must be positive (got -0.001)"),
+        "NS form for AdamW": (["--optimizer", "adamw", "--ns-algorithm", "gram"], {},
+                              "--ns-algorithm applies to --optimizer dmuon only (got --optimizer adamw)"),
         "token beyond the vocabulary, training": (
             ["--data", f"{root}/high.bin"], {},
             f"training data {root}/high.bin (first 95%): token id 300 is outside the vocabulary of 256 (preset "

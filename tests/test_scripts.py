@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dmuon_fsdp.newton_schulz import newton_schulz, ns_segments, resolve_coefficients, segments_flops
+from reference import relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +70,48 @@ def test_bench_host_counts_ops_and_host_reads(tmp_path):
         dmuon, quiet = result[case]["dmuon"], result[case]["dmuon-nochecks"]
         assert dmuon["ops"] <= 150 and dmuon["host_reads"] == 1 and quiet["host_reads"] == 0, result[case]
         assert result[case]["params"] == 111
+
+
+def test_bench_ns_forms_times_both_forms_per_shape_and_the_step(tmp_path):
+    out = tmp_path / "forms.json"
+    _run("scripts/bench_ns_forms.py", "--presets", "tiny", "--repeats", "1", "--out", out)
+    rows = json.loads(out.read_text())["rows"]
+    assert {tuple(r["shape"]) for r in rows} == {(32, 32), (16, 32), (32, 64)}  # tiny: square, k/v, MLP
+    for r in rows:
+        s, l = r["shape"]
+        for form in ("standard", "gram"):
+            assert r["flops"][form] == r["batch"] * segments_flops(s, l, r["segments"][form])
+            assert r["seconds"][form] > 0
+        assert r["auto"] == (r["flops"]["gram"] < r["flops"]["standard"])
+    step = tmp_path / "step.json"
+    _run("scripts/bench_ns_forms.py", "--step", "--preset", "tiny", "--world-size", "2", "--steps", "1",
+         "--warmup", "0", "--out", step)  # fmt: skip
+    result = json.loads(step.read_text())
+    assert result["auto"]["busiest_ns_flops"] < result["standard"]["busiest_ns_flops"]
+
+
+def test_ns_accuracy_reads_a_checkpoints_momentum(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    low_rank = torch.randn(24, 3, generator=gen) @ torch.randn(3, 40, generator=gen)
+    state = {"optimizers": [{"state": {"w": {"momentum_buffer": low_rank}, "v": {"exp_avg": torch.ones(5)}}}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "step_0000001"), no_dist=True)
+    out = tmp_path / "accuracy.json"
+    _run("scripts/ns_accuracy.py", tmp_path / "step_0000001", "--dtypes", "float32", "--out", out)
+    rows = json.loads(out.read_text())["table"]
+    assert [(r["coefficients"], r["shape"]) for r in rows] == [("muon", [24, 40]), ("polar_express", [24, 40])]
+    for r in rows:  # the errors newton_schulz gives, in each form, against float64
+        coefficients = resolve_coefficients(r["coefficients"], 5)
+        expected = newton_schulz(low_rank.double(), coefficients, 1e-7, torch.float64)
+        for form in ("standard", "gram"):
+            got = newton_schulz(low_rank, coefficients, 1e-7, torch.float32, form)
+            assert r[form] == pytest.approx(relative_error(got, expected), rel=1e-6)
+        assert tuple(r["segments"]) == ns_segments("gram", coefficients, torch.float32, 24, 40)
+    _run("scripts/ns_accuracy.py", tmp_path / "step_0000001", "--search", "3", "--dtypes", "float32", "--out", out)
+    search = json.loads(out.read_text())["search"]
+    assert sorted(tuple(r["segments"]) for r in search if r["coefficients"] == "muon") == sorted(
+        [(3,), (1, 2), (2, 1), (1, 1, 1)])
+    failed = subprocess.run([sys.executable, "scripts/ns_accuracy.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True)  # fmt: skip
+    assert failed.returncode != 0 and f"error: {tmp_path} is not a complete checkpoint (no .metadata)" in failed.stderr

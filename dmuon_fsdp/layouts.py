@@ -65,14 +65,14 @@ class MatrixLayout:
 
     @classmethod
     def row_sharded(
-        cls, name: str, rows: int, cols: int, row_counts: Sequence[int], ns_segments: tuple[int, ...]
+        cls, name: str, rows: int, cols: int, row_counts: Sequence[int], segments: tuple[int, ...]
     ) -> MatrixLayout:
         """A matrix cut into consecutive row blocks, ``row_counts[r]`` rows on rank r (FSDP2)."""
         pieces, start = [], 0
         for count in row_counts:
             pieces.append(Piece(start, count, 0, cols) if count and cols else EMPTY)
             start += count
-        return cls(name, rows, cols, tuple(pieces), ns_segments)
+        return cls(name, rows, cols, tuple(pieces), segments)
 
     @property
     def numel(self) -> int:
@@ -289,7 +289,8 @@ def describe_param(
     """The Muon matrices of a parameter and every rank's piece of each.
 
     ``flatten`` views the weight as one (dim0, -1) matrix; otherwise a >2-D weight is a stack of
-    dim0 matrices (dim1, -1) (expert stacks). Each matrix is then cut by ``row_blocks``.
+    dim0 matrices (dim1, -1) (expert stacks). Each matrix is then cut by ``row_blocks``;
+    ``segments(rows, cols)`` gives its Newton-Schulz form (``newton_schulz.ns_segments``).
     Raises NotImplementedError for placements whose blocks are not matrix rectangles.
     """
     if param.ndim < 2:

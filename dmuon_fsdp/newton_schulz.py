@@ -189,10 +189,14 @@ class Workspace:
     squares: tuple[Tensor, ...]
 
     @staticmethod
-    def sizes(shape: Sequence[int], segments: Sequence[int]) -> tuple[int, int]:
+    def squares_needed(segments: Sequence[int]) -> int:
+        return 4 if max(segments) > 1 else 2
+
+    @classmethod
+    def sizes(cls, shape: Sequence[int], segments: Sequence[int]) -> tuple[int, int]:
         """Elements of ``y`` and of all the s x s matrices for a (B, s, l) stack."""
         b, s, l = shape
-        return b * s * l, b * s * s * (4 if max(segments) > 1 else 2)
+        return b * s * l, b * s * s * cls.squares_needed(segments)
 
     @classmethod
     def for_stack(cls, stack: Tensor, segments: Sequence[int], flat: tuple[Tensor, Tensor] | None = None) -> Workspace:
@@ -201,7 +205,7 @@ class Workspace:
         y_size, squares_size = cls.sizes(stack.shape, segments)
         if flat is None:
             flat = stack.new_empty(y_size), stack.new_empty(squares_size)
-        squares = flat[1][:squares_size].view(-1, b, s, s)
+        squares = flat[1][:squares_size].view(cls.squares_needed(segments), b, s, s)
         return cls(flat[0][:y_size].view(b, s, l), tuple(squares))
 
 
@@ -216,8 +220,8 @@ def orthogonalize_(
     and ``work.y`` (the normalisation writes to ``y`` when the segment count is odd) so that the
     result lands in ``x``; nothing is allocated but the norms.
     """
-    if sum(segments) != len(coefficients):
-        raise ValueError(f"segments {tuple(segments)} do not cover {len(coefficients)} iterations")
+    if sum(segments) != len(coefficients) or min(segments) < 1:
+        raise ValueError(f"segments {tuple(segments)} do not split {len(coefficients)} iterations")
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps)
     here, there = x, work.y
     if len(segments) % 2:

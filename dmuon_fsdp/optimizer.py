@@ -269,7 +269,9 @@ class DMuonFSDP(Optimizer):
                 )
             for key, p in zip(saved["params"], group["params"]):
                 validation.check_saved_state(self._names[p], p, self.state[p], saved_state.get(key, {}))
-        super().load_state_dict(state_dict)
+        # Options added since the state dict was saved (ns_algorithm) keep this optimizer's values.
+        groups = [{**group, **saved} for saved, group in zip(saved_groups, self.param_groups)]
+        super().load_state_dict({**state_dict, "param_groups": groups})
         for _, p in self._indexed:
             state = self.state[p]
             if "step" in state:

@@ -91,10 +91,25 @@ def _read(state: dict, path: str | Path, **kwargs) -> None:
         raise CheckpointError(f"checkpoint {path} could not be loaded: {cause.splitlines()[0]}") from error
 
 
+def _without_newer_group_options(state: dict, path: str | Path) -> None:
+    """Leave out of ``state`` the param-group options the checkpoint predates (``ns_algorithm``
+    came after the first checkpoints): the optimizer keeps its own value for them, where DCP
+    would refuse the whole checkpoint for a key it lacks."""
+    try:
+        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception:
+        return  # an unreadable checkpoint: _read names the cause
+    for i, opt_state in enumerate(state["optimizers"]):
+        for g, group in enumerate(opt_state["param_groups"]):
+            for key in [k for k in group if f"optimizers.{i}.param_groups.{g}.{k}" not in saved and k != "params"]:
+                del group[key]
+
+
 def load(path: str | Path, model: nn.Module, optimizers: list, schedulers: list) -> int:
     """Restore everything in place; returns the step to continue from. Raises CheckpointError
     for a checkpoint DCP cannot read (a missing or corrupt shard, another model)."""
     state = _state(model, optimizers, schedulers, 0)
+    _without_newer_group_options(state, path)
     _read(state, path)
     set_model_state_dict(model, state["model"])
     for opt, opt_state in zip(optimizers, state["optimizers"]):

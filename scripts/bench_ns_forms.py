@@ -46,6 +46,7 @@ from dmuon_fsdp.newton_schulz import (  # noqa: E402
     segments_flops,
 )
 from bench_optimizer import sharded_model  # noqa: E402
+from matmul_floor import sync  # noqa: E402
 from recipes.model import PRESETS, Transformer, preset  # noqa: E402
 
 
@@ -65,18 +66,13 @@ def ns_seconds(stack: torch.Tensor, coefficients, forms: dict[str, tuple[int, ..
     for i in range(repeats + 1):  # the first round warms up
         for name, segments in forms.items():
             x.copy_(stack)
-            _sync(stack.device)
+            sync(stack.device)
             start = time.perf_counter()
             orthogonalize_(x, coefficients, 1e-7, works[name], segments)
-            _sync(stack.device)
+            sync(stack.device)
             if i:
                 best[name] = min(best[name], time.perf_counter() - start)
     return best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
 
 
 def shape_table(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -116,10 +112,10 @@ def step_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
         order = args.algorithms if i % 2 == 0 else args.algorithms[::-1]
         for alg in order:
             dist.barrier()
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             optimizers[alg].step()
-            _sync(device)
+            sync(device)
             took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if i >= args.warmup:

@@ -14,7 +14,8 @@ from dmuon_fsdp.newton_schulz import default_ns_dtype, newton_schulz_flops
 from dmuon_fsdp.planner import Plan
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device (a no-op on CPU), so that a timer brackets the work."""
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
 
@@ -23,10 +24,10 @@ def _best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
     fn()
     samples = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         samples.append(time.perf_counter() - start)
     return min(samples)
 

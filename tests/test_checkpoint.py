@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -80,3 +81,22 @@ def test_load_state_dict_rejects_mismatched_state():
         _opt((4, 6), (6,)).load_state_dict(missing)
     with pytest.raises(ValueError, match="param group"):
         _opt((4, 6), (6,), (3, 3)).load_state_dict(copy.deepcopy(good))
+
+
+def test_a_recipe_checkpoint_from_before_ns_algorithm_loads(tmp_path):
+    """Param-group options added after a checkpoint was written keep the new optimizer's value
+    (DCP alone refuses a checkpoint that lacks a key of the state it loads into)."""
+    from recipes import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    state = checkpoint._state(model, [DMuonFSDP(model.parameters(), lr=0.03)], [], 3)
+    for group in state["optimizers"][0]["param_groups"]:
+        del group["ns_algorithm"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs in one process
+        dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+        fresh = DMuonFSDP(model.parameters(), ns_algorithm="auto")
+        assert checkpoint.load(tmp_path, model, [fresh], []) == 3
+    muon = fresh.param_groups[0]
+    assert muon["use_muon"] and (muon["ns_algorithm"], muon["lr"]) == ("auto", 0.03)  # lr from the checkpoint

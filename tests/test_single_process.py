@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon_fsdp import POLAR_EXPRESS, DMuonFSDP, param_groups
+from dmuon_fsdp import MUON_COEFFICIENTS, POLAR_EXPRESS, DMuonFSDP, param_groups
+from dmuon_fsdp.newton_schulz import gram_segments, resolve_coefficients, segments_flops, standard_segments
 from reference import reference_muon_step, relative_error
 from test_equivalence import (
     SHAPES,
@@ -165,6 +166,7 @@ def test_named_parameters_and_mixed_group_split():
         (dict(ns_coefficients=[(1.0, 2.0)]), "ns_coefficients"),
         (dict(weight_decay=math.nan), "weight_decay"),
         (dict(bucket_bytes=0), "bucket_bytes"),
+        (dict(ns_algorithm="fast"), "ns_algorithm must be one of"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
@@ -282,6 +284,44 @@ def test_changed_group_options_take_effect_at_the_next_step():
     opt.step()
     assert opt.plan is not first
     assert relative_error(w.detach(), expected) < 1e-12
+
+
+def test_a_changed_ns_algorithm_runs_the_gram_form_at_the_next_step():
+    w, opt = _stepped_once((8, 40))
+    opt.param_groups[0]["ns_algorithm"] = "gram"
+    expected = _expected_after_a_step(w, MUON_COEFFICIENTS, 5)
+    opt.step()
+    segments = gram_segments(resolve_coefficients(MUON_COEFFICIENTS, 5), torch.float64)
+    assert opt.plan.matrices[0].ns_segments == segments != standard_segments(5)
+    assert opt.last_step_stats.ns_flops == segments_flops(8, 40, segments)
+    assert relative_error(w.detach(), expected) < 1e-12  # the same polynomial, in float64
+    opt.param_groups[0]["ns_algorithm"] = "fast"
+    w.grad = torch.randn_like(w)
+    with pytest.raises(ValueError, match="ns_algorithm must be one of"):
+        opt.step()
+
+
+def test_a_state_dict_from_before_ns_algorithm_loads_and_keeps_this_optimizers_value():
+    w, opt = _stepped_once((8, 40))
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        del group["ns_algorithm"]
+    other = DMuonFSDP([w], ns_dtype=torch.float64, momentum=0.0, ns_algorithm="gram")
+    other.load_state_dict(saved)
+    assert other.param_groups[0]["ns_algorithm"] == "gram"
+    w.grad = torch.randn_like(w)
+    other.step()
+    assert other.plan.matrices[0].ns_segments != standard_segments(5)
+
+
+@pytest.mark.parametrize("ns_algorithm", ["standard", "gram"])
+def test_an_empty_matrix_beside_others_steps(ns_algorithm):
+    empty, w = nn.Parameter(torch.zeros(5, 0)), nn.Parameter(torch.randn(4, 6))
+    opt = DMuonFSDP([empty, w], ns_algorithm=ns_algorithm)
+    before = w.detach().clone()
+    empty.grad, w.grad = torch.zeros(5, 0), torch.randn(4, 6)
+    opt.step()
+    assert empty.shape == (5, 0) and not torch.equal(w.detach(), before)
 
 
 def test_profiler_trace_shows_the_step_phases():

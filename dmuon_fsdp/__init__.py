@@ -11,15 +11,18 @@ from dmuon_fsdp.layouts import chunk_row_counts
 from dmuon_fsdp.optimizer import DMuonFSDP
 from dmuon_fsdp.param_groups import param_groups
 from dmuon_fsdp.planner import Plan, build_plan
+from dmuon_fsdp.qk_clip import AttentionWeights, QKClip
 from dmuon_fsdp.stats import StepStats
 
 __all__ = [
+    "AttentionWeights",
     "DMuonFSDP",
     "GradientMismatchError",
     "MUON_COEFFICIENTS",
     "NonFiniteGradientError",
     "POLAR_EXPRESS",
     "Plan",
+    "QKClip",
     "StepStats",
     "adjusted_lr",
     "build_plan",

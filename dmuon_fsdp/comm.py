@@ -124,8 +124,8 @@ def default_rank() -> int:
     return dist.get_rank() if default_world_size() > 1 else 0
 
 
-def all_max(values: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """Element-wise maximum of ``values`` over the group (in place, and returned)."""
+def all_max(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Element-wise maximum of ``values`` over the group (None: the default group), in place and returned."""
     return _start(dist.all_reduce, (values,), op=dist.ReduceOp.MAX, group=group).wait()
 
 

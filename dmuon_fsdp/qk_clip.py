@@ -1,0 +1,159 @@
+"""QK-clip (MuonClip: Kimi K2, arXiv 2507.20534): after the optimizer step, shrink the query and
+key rows of attention heads whose largest pre-softmax logit went past ``tau``.
+
+For a head with S, the largest logit q . k / sqrt(d_head) of the step's batch over every rank,
+gamma = tau / S when S > tau: its W_q rows are multiplied by gamma^alpha and its W_k rows by
+gamma^(1 - alpha), so its logits shrink by gamma. Grouped-query attention shares a key head
+among the query heads of a group, so the group is the unit, as in Megatron-LM: gamma comes from
+the group's largest logit and scales all of the group's query heads and its key head. A group
+at or under tau is not touched at all (bitwise). Fused QKV weights name the rows of q and of k.
+
+Every rank scales the rows of its own shard only (FSDP2 rows split anywhere, HSDP, DDP replicas,
+tensor-parallel heads): the per-head logits are first reduced with MAX over all ranks, one
+``all_reduce`` of layers x heads numbers, so every copy of a row gets the same factor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from dmuon_fsdp import comm
+from dmuon_fsdp.layouts import local_shard
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """One attention layer: its query and key projection weights (out_features x in_features),
+    ``heads`` query heads and ``kv_heads`` key heads (None: as many as query heads). For a fused
+    QKV weight pass it as both ``q`` and ``k`` with ``q_rows`` / ``k_rows``, the [start, stop)
+    rows of each."""
+
+    q: Tensor
+    k: Tensor
+    heads: int
+    kv_heads: int | None = None
+    q_rows: tuple[int, int] | None = None
+    k_rows: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A weight's local rows: its local shard as (rows, -1) and the global index of its first row."""
+
+    local: Tensor
+    first: int
+
+
+def _local_rows(param: Tensor) -> _Rows:
+    first = 0
+    if isinstance(param, DTensor):
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        first = offset[0]
+    return _Rows(local_shard(param), first)
+
+
+class QKClip:
+    """QK-clip for ``layers`` of a model trained by ``optimizer``: call ``clip(max_logits)`` after
+    each ``optimizer.step()``, with one tensor per layer holding each query head's largest
+    pre-softmax logit of the step on this rank (``-inf`` for heads this rank did not compute,
+    e.g. other tensor-parallel ranks' heads). Returns the logits reduced over all ranks (layers x
+    heads; rows padded with -inf), the same on every rank, for logging. ``tau=None`` only
+    reduces and returns them (logging without clipping).
+
+    Bad input raises ``ValueError`` on every rank: at construction (a weight that is not one of
+    the optimizer's parameters, head counts that do not divide the rows), and in ``clip``
+    (a tensor of the wrong shape, NaN) after the reduction, so no rank is left waiting.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, layers: Sequence[AttentionWeights],
+                 tau: float | None = 100.0, alpha: float = 0.5):  # fmt: skip
+        if tau is not None and not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
+            raise ValueError(f"tau must be a finite number > 0 (or None: only reduce the logits), got {tau!r}")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+        names = getattr(optimizer, "_names", {})
+        known = {p for group in optimizer.param_groups for p in group["params"]}
+        self.tau, self.alpha, self.layers = tau, float(alpha), tuple(layers)
+        self._ranges = [self._check(i, layer, known, names) for i, layer in enumerate(self.layers)]
+        self.width = max((layer.heads for layer in self.layers), default=0)
+
+    @staticmethod
+    def _check(i: int, layer: AttentionWeights, known: set, names: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The (q rows, k rows) ranges of layer ``i``, after checking it."""
+        kv_heads = layer.kv_heads or layer.heads
+        ranges = []
+        for role, param, rows, heads in (("q", layer.q, layer.q_rows, layer.heads), ("k", layer.k, layer.k_rows, kv_heads)):
+            name = names.get(param, f"layers[{i}].{role}")
+            if param not in known:
+                raise ValueError(f"layers[{i}].{role} ({name}, shape {tuple(param.shape)}) is not a parameter of the optimizer")
+            if param.ndim != 2:
+                raise ValueError(f"layers[{i}].{role} ({name}) has shape {tuple(param.shape)}: a 2-D weight is needed")
+            start, stop = rows if rows is not None else (0, param.shape[0])
+            if not 0 <= start < stop <= param.shape[0]:
+                raise ValueError(f"layers[{i}].{role}_rows {rows} is not a row range of {name} ({param.shape[0]} rows)")
+            if not (isinstance(heads, int) and heads > 0 and (stop - start) % heads == 0):
+                raise ValueError(f"layers[{i}]: the {stop - start} {role} rows of {name} do not split into {heads} heads")
+            ranges.append((start, stop))
+        if layer.heads % kv_heads:
+            raise ValueError(f"layers[{i}]: {layer.heads} query heads do not split into {kv_heads} key-head groups")
+        (q0, q1), (k0, k1) = ranges
+        if (q1 - q0) // layer.heads != (k1 - k0) // kv_heads:
+            raise ValueError(f"layers[{i}]: query heads of {(q1 - q0) // layer.heads} rows, key heads of "
+                             f"{(k1 - k0) // kv_heads}: they must match")  # fmt: skip
+        return ranges[0], ranges[1]
+
+    def clip(self, max_logits: Sequence[Tensor]) -> Tensor:
+        device = self.layers[0].q.device if self.layers else torch.device("cpu")
+        table = torch.full((len(self.layers), self.width + 2), -math.inf, device=device)
+        table[:, self.width :] = 0.0  # flags: a wrong shape, a NaN
+        for i, layer in enumerate(self.layers):
+            given = max_logits[i] if i < len(max_logits) else None
+            if given is None or tuple(given.shape) != (layer.heads,):
+                table[i, self.width] = 1.0
+                continue
+            table[i, : layer.heads] = given.detach().to(device=device, dtype=torch.float32)
+            table[i, self.width + 1] = torch.isnan(table[i, : layer.heads]).any().float()
+        if len(max_logits) != len(self.layers):
+            table[:, self.width] = 1.0
+        if comm.default_world_size() > 1:
+            comm.all_max(table, None)
+        host = table.cpu()  # the one device-to-host read
+        self._raise_for(host[:, self.width :].tolist(), len(max_logits))
+        if self.tau is not None:
+            self._scale(host[:, : self.width])
+        return table[:, : self.width]
+
+    def _raise_for(self, flags: list[list[float]], given: int) -> None:
+        for i, (shape, nan) in enumerate(flags):
+            if shape:
+                raise ValueError(f"max_logits[{i}] must be a tensor of shape ({self.layers[i].heads},), one logit per "
+                                 f"query head, on every rank (one rank passed {given} tensors, or another shape)")  # fmt: skip
+            if nan:
+                raise ValueError(f"max_logits[{i}] holds NaN on some rank")
+
+    def _scale(self, logits: Tensor) -> None:
+        """Row factors (computed on the host from ``logits``) of every weight with a clipped
+        group, applied to its local rows."""
+        factors: dict[Tensor, Tensor] = {}
+        for layer, row_logits, ((q0, q1), (k0, k1)) in zip(self.layers, logits, self._ranges):
+            groups = layer.kv_heads or layer.heads
+            worst = row_logits[: layer.heads].view(groups, -1).amax(dim=1)
+            if not bool((worst > self.tau).any()):
+                continue
+            gamma = torch.where(worst > self.tau, self.tau / worst, torch.ones_like(worst))
+            for param, start, stop, power in ((layer.q, q0, q1, self.alpha), (layer.k, k0, k1, 1.0 - self.alpha)):
+                rows = factors.setdefault(param, torch.ones(param.shape[0]))
+                rows[start:stop] *= gamma.pow(power).repeat_interleave((stop - start) // groups)
+        with torch.no_grad():
+            for param, rows in factors.items():
+                mine = _local_rows(param)  # read now: the parameter's storage may have been replaced
+                count = mine.local.shape[0]
+                if count:
+                    mine.local.mul_(rows[mine.first : mine.first + count, None].to(mine.local))

@@ -1,0 +1,227 @@
+"""QK-clip: after DMuonFSDP steps with the clip firing on some heads, parameters equal a float64
+single-process reference of Muon + the same rule on full matrices, on every layout; heads under
+tau are bitwise untouched; bad input raises on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp.qk_clip import AttentionWeights, QKClip
+from reference import reference_muon_step, relative_error
+from spawn import run_ranks
+
+HEADS, KV_HEADS, HEAD_DIM, DIM = 4, 2, 5, 8
+TAU, ALPHA, STEPS = 10.0, 0.5, 3
+OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
+REFERENCE = dict(lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.1, coefficients=(3.4445, -4.7750, 2.0315),
+                 steps=5, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
+Q_ROWS, K_ROWS = (0, HEADS * HEAD_DIM), (HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM)
+
+
+class Attention(nn.Module):
+    """Separate q and k projections (20 and 10 rows) and a fused qkv one (40 rows)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wq = nn.Linear(DIM, HEADS * HEAD_DIM, bias=False)
+        self.wk = nn.Linear(DIM, KV_HEADS * HEAD_DIM, bias=False)
+        self.qkv = nn.Linear(DIM, (HEADS + 2 * KV_HEADS) * HEAD_DIM, bias=False)
+
+    def forward(self, step):
+        x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(step))
+        return sum(layer(x).pow(2).sum() for layer in (self.wq, self.wk, self.qkv))
+
+
+def layers(model):
+    return [AttentionWeights(model.wq.weight, model.wk.weight, HEADS, KV_HEADS),
+            AttentionWeights(model.qkv.weight, model.qkv.weight, HEADS, KV_HEADS, Q_ROWS, K_ROWS)]  # fmt: skip
+
+
+def rank_logits(step, rank):
+    """Per layer, this rank's largest logit per query head. Layer 0: group 0 (heads 0, 1) is
+    always over tau, group 1 only where a rank's extra lifts head 3 past it; layer 1 stays
+    under tau except at step 1."""
+    extra = 0.4 * rank
+    first = torch.tensor([8.0, 12.0 + step, 9.0, 9.5 + extra])
+    second = torch.tensor([5.0, 6.0, 7.0 + extra, 9.0]) + (3.0 if step == 1 else 0.0)
+    return [first, second]
+
+
+def reference_clip(params, logits):
+    """The rule on full float64 matrices; ``logits`` already reduced over the ranks."""
+    per_group = HEADS // KV_HEADS
+    targets = [(params["wq.weight"], Q_ROWS[0], params["wk.weight"], 0), (params["qkv.weight"], Q_ROWS[0],
+               params["qkv.weight"], K_ROWS[0])]  # fmt: skip
+    for (wq, q0, wk, k0), row in zip(targets, logits):
+        for g in range(KV_HEADS):
+            worst = max(row[g * per_group : (g + 1) * per_group]).item()
+            if worst > TAU:
+                gamma = TAU / worst
+                q_rows = slice(q0 + g * per_group * HEAD_DIM, q0 + (g + 1) * per_group * HEAD_DIM)
+                wq[q_rows] *= gamma**ALPHA
+                wk[k0 + g * HEAD_DIM : k0 + (g + 1) * HEAD_DIM] *= gamma ** (1 - ALPHA)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def train(rank, world_size, model, loss_fn):
+    params = dict(model.named_parameters())
+    ref = {n: _full(p).detach().double().clone() for n, p in params.items()}
+    bufs = {n: torch.zeros_like(p) for n, p in ref.items()}
+    opt = DMuonFSDP(list(params.items()), **OPTIONS)
+    clip = QKClip(opt, layers(model), tau=TAU, alpha=ALPHA)
+    untouched = []
+    for step in range(STEPS):
+        loss_fn(step).backward()
+        grads = {n: _full(p.grad).double() for n, p in params.items()}
+        opt.step()
+        opt.zero_grad()
+        before = _local(model.qkv.weight).detach().clone()
+        reduced = clip.clip(rank_logits(step, rank))
+        if step != 1:  # the fused layer stayed under tau: its rows are bitwise as the step left them
+            untouched.append(torch.equal(before, _local(model.qkv.weight).detach()))
+        for n in ref:
+            reference_muon_step(ref[n], grads[n], bufs[n], **REFERENCE)
+        every_rank = [rank_logits(step, r) for r in range(world_size)]
+        expected = [torch.stack([logits[i] for logits in every_rank]).amax(0) for i in range(2)]
+        assert torch.equal(reduced[0], expected[0]) and torch.equal(reduced[1], expected[1])
+        reference_clip(ref, expected)
+    errors = {n: relative_error(_full(p).detach(), ref[n]) for n, p in params.items()}
+    return errors, untouched
+
+
+def fsdp(rank, world_size):
+    model = Attention()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    return train(rank, world_size, model, model)
+
+
+def hsdp(rank, world_size):
+    model = Attention()
+    fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    return train(rank, world_size, model, model)
+
+
+def ddp(rank, world_size):
+    model = Attention()
+    return train(rank, world_size, model, DistributedDataParallel(model))
+
+
+def fsdp_tp(rank, world_size):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Attention()
+    parallelize_module(model, mesh["tp"], {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "qkv": ColwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    return train(rank, world_size, model, model)
+
+
+CASES = {"fsdp": (fsdp, [1, 2, 3, 4]), "hsdp": (hsdp, [4]), "ddp": (ddp, [2]), "fsdp_tp": (fsdp_tp, [4])}
+
+
+@pytest.mark.parametrize("layout,world_size", [(k, w) for k, (_, ws) in CASES.items() for w in ws])
+def test_clip_matches_float64_reference(layout, world_size):
+    # W=3 cuts wq's 20 rows 7/7/6 and wk's 10 rows 4/4/2: heads straddle shard boundaries.
+    results = run_ranks(CASES[layout][0], world_size)
+    print(f"{layout} W={world_size}: max relative error {max(max(e.values()) for e, _ in results):.2e}")
+    for errors, untouched in results:
+        assert max(errors.values()) <= 1e-5, errors
+        assert untouched and all(untouched)
+
+
+def test_rule_single_process_bitwise_for_heads_under_tau():
+    model = Attention()
+    opt = DMuonFSDP(model.parameters(), **OPTIONS)
+    clip = QKClip(opt, layers(model), tau=TAU, alpha=0.3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    clip.clip([torch.tensor([8.0, 20.0, 9.0, 9.5]), torch.tensor([1.0, 2.0, 3.0, 4.0])])
+    wq, wk = model.wq.weight.detach(), model.wk.weight.detach()
+    assert torch.equal(wq[10:], before["wq.weight"][10:]) and torch.equal(wk[5:], before["wk.weight"][5:])
+    assert torch.allclose(wq[:10], before["wq.weight"][:10] * 0.5**0.3)
+    assert torch.allclose(wk[:5], before["wk.weight"][:5] * 0.5**0.7)
+    assert torch.equal(model.qkv.weight.detach(), before["qkv.weight"])
+    report_only = QKClip(opt, layers(model), tau=None)  # reduces and returns, never scales
+    now = {n: p.detach().clone() for n, p in model.named_parameters()}
+    logits = [torch.full((4,), 1e6), torch.full((4,), 1e6)]
+    assert torch.equal(report_only.clip(logits), torch.stack(logits))
+    assert all(torch.equal(p.detach(), now[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("layer,match", [
+    (dict(q=None, heads=4), "is not a parameter of the optimizer"),
+    (dict(heads=3), "do not split into 3 heads"),
+    (dict(heads=4, kv_heads=3), "do not split into 3 heads"),
+    (dict(heads=2, kv_heads=2), "query heads of 10 rows, key heads of 5"),
+])  # fmt: skip
+def test_bad_layers_raise(layer, match):
+    model = Attention()
+    opt = DMuonFSDP([model.wq.weight, model.wk.weight])
+    q = nn.Parameter(torch.zeros(20, 8)) if "q" in layer else model.wq.weight
+    options = {k: v for k, v in layer.items() if k != "q"}
+    with pytest.raises(ValueError, match=match):
+        QKClip(opt, [AttentionWeights(q, model.wk.weight, **options)], tau=TAU)
+
+
+def bad_logits(rank, world_size, kind):
+    model = Attention()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    clip = QKClip(DMuonFSDP(model.parameters()), layers(model), tau=TAU)
+    logits = rank_logits(0, rank)
+    if rank == 1:  # only one rank is wrong: every rank must raise, none may wait
+        logits[1] = torch.zeros(3) if kind == "shape" else torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    try:
+        clip.clip(logits)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("shape", "max_logits[1] must be a tensor of shape (4,), one logit per query head, on every rank"),
+    ("nan", "max_logits[1] holds NaN on some rank"),
+])  # fmt: skip
+def test_bad_logits_on_one_rank_raise_on_every_rank(kind, message):
+    for error in run_ranks(bad_logits, 2, kind):
+        assert error is not None and error.startswith(message)
+
+
+def test_recipe_model_logits_after_a_clip_are_at_most_tau():
+    """The recipe's tracked logits, then the rule: on the same batch, every head over tau comes
+    back to tau (grouped-query attention: the group's largest), the others keep their logits."""
+    from recipes.model import Transformer, preset
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny"))  # 4 query heads, 2 key heads per layer
+    opt = DMuonFSDP(model.parameters())
+    tokens = torch.randint(0, 256, (3, 32))
+    for block in model.layers:
+        block.attention.track_max_logits = True
+    model(tokens)
+    seen = [block.attention.max_logits.clone() for block in model.layers]
+    tau = 0.95 * float(seen[0].max())
+    clip = QKClip(opt, [AttentionWeights(b.attention.wq.weight, b.attention.wk.weight, 4, 2) for b in model.layers],
+                  tau=tau)  # fmt: skip
+    assert torch.equal(clip.clip(seen), torch.stack(seen))
+    for block in model.layers:
+        block.attention.max_logits = None
+    model(tokens)
+    # The first layer's input (the embeddings) is unchanged, so its logits scale exactly.
+    before, after = seen[0], model.layers[0].attention.max_logits
+    groups = before.view(2, 2).amax(dim=1).repeat_interleave(2)
+    assert (groups > tau).any() and not (groups > tau).all()
+    assert torch.allclose(after, torch.where(groups > tau, before * tau / groups, before), rtol=1e-5)
+    assert float(after.max()) == pytest.approx(tau, rel=1e-5)

@@ -70,6 +70,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=False)
+        self.track_max_logits = False  # record each head's largest pre-softmax logit (for QK-clip)
+        self.max_logits: torch.Tensor | None = None  # (n_heads,), the largest since it was last reset
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = rearrange(self.wq(x), "b t (h d) -> b h t d", h=self.n_heads)
@@ -78,8 +80,25 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         repeat = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if self.track_max_logits:
+            seen = causal_max_logits(q.detach(), k.detach())
+            self.max_logits = seen if self.max_logits is None else torch.maximum(self.max_logits, seen)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(rearrange(out, "b h t d -> b t (h d)"))
+
+
+def causal_max_logits(q: torch.Tensor, k: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """Each head's largest causal pre-softmax logit q . k / sqrt(d) over a batch: q, k of shape
+    (batch, heads, time, d). Queries are taken ``chunk`` at a time, so memory is batch x heads x
+    chunk x time rather than the full time x time scores."""
+    t, scale = q.shape[2], q.shape[-1] ** -0.5
+    best = torch.full((q.shape[1],), -torch.inf, device=q.device)
+    for start in range(0, t, chunk):
+        scores = torch.einsum("bhqd,bhkd->bhqk", q[:, :, start : start + chunk].float(), k.float()) * scale
+        rows = torch.arange(start, min(start + chunk, t), device=q.device)
+        scores.masked_fill_(torch.arange(t, device=q.device) > rows[:, None], -torch.inf)  # key after query
+        best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+    return best
 
 
 class FeedForward(nn.Module):

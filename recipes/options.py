@@ -67,6 +67,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
     opt.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm to this (0: off; the norm is logged)")
     opt.add_argument("--seed", type=int, default=0, help="seeds the model and the batches")
+    opt.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                     help="QK-clip (MuonClip) after each optimizer step: shrink the q/k rows of heads whose "
+                          "largest pre-softmax logit passed TAU (logs max logits too)")  # fmt: skip
+    opt.add_argument("--qk-clip-alpha", type=float, default=0.5, help="the q side's share of the QK-clip factor")
+    opt.add_argument("--max-logits", action="store_true",
+                     help="log each layer's largest pre-softmax logit (metrics max_logit, max_logit_per_layer)")
 
     run = p.add_argument_group("run directory, checkpoints and logging")
     run.add_argument("--run-dir", default=None, help="where config, metrics and checkpoints go (default: the run "
@@ -118,12 +124,17 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
     for flag, (value, low) in at_least.items():
         if value is not None and value < low:
             raise UsageError(f"{flag} must be at least {low} (got {value})")
-    for flag, value in {"--lr": args.lr, "--adamw-lr": args.adamw_lr, "--peak-tflops": args.peak_tflops}.items():
+    for flag, value in {"--lr": args.lr, "--adamw-lr": args.adamw_lr, "--peak-tflops": args.peak_tflops,
+                        "--qk-clip": args.qk_clip}.items():  # fmt: skip
         if value is not None and not value > 0:
             raise UsageError(f"{flag} must be positive (got {value:g})")
     for flag, value in {"--weight-decay": args.weight_decay, "--clip": args.clip}.items():
         if not value >= 0:
             raise UsageError(f"{flag} must not be negative (got {value:g})")
+    if args.qk_clip is not None and args.qk_clip == float("inf"):
+        raise UsageError("--qk-clip must be finite (got inf)")
+    if not 0 <= args.qk_clip_alpha <= 1:
+        raise UsageError(f"--qk-clip-alpha must be between 0 and 1 (got {args.qk_clip_alpha:g})")
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {args.min_lr_ratio:g})")
     if args.batch_size % (world_size * args.grad_accum):

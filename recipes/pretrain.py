@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dmuon_fsdp import DMuonFSDP, param_groups  # noqa: E402
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups  # noqa: E402
 from recipes import checkpoint, options, run_dir  # noqa: E402
 from recipes.data import (  # noqa: E402
     Corpus,
@@ -187,6 +187,19 @@ def gradient_norm(model: torch.nn.Module, clip: float) -> float:
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
+def qk_clip(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> QKClip | None:
+    """With --qk-clip or --max-logits: every attention layer records its heads' largest logits,
+    and a QKClip (reducing only, without --qk-clip) for the optimizer holding W_q and W_k."""
+    if args.qk_clip is None and not args.max_logits:
+        return None
+    layers = []
+    for block in model.layers:
+        attention = block.attention
+        attention.track_max_logits = True
+        layers.append(AttentionWeights(attention.wq.weight, attention.wk.weight, attention.n_heads, attention.n_kv_heads))
+    return QKClip(optimizer, layers, tau=args.qk_clip, alpha=args.qk_clip_alpha)
+
+
 def keep_this_runs_settings(optimizers: list, schedulers: list, settings: list[list[dict]]) -> None:
     """After a resume, this run's flags (lr, weight decay, AdamW lr, schedule) win over the
     hyperparameters the checkpoint restored; the lr is recomputed at the resumed step."""
@@ -211,6 +224,7 @@ def train(args: argparse.Namespace) -> dict:
     model = build_model(args, cfg, device)
     optimizers = build_optimizers(args, model)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args)) for opt in optimizers]
+    clip = qk_clip(args, model, optimizers[0])
     if start.checkpoint is not None:  # before the run dir changes: a bad checkpoint leaves it as it was
         settings = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
         checkpoint.load(start.checkpoint, model, optimizers, schedulers)
@@ -241,6 +255,8 @@ def train(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
         inputs, targets = batch_for_step(corpus.train, cfg.seq_len, args.batch_size, args.seed, step, rank, world)
+        for block in model.layers:
+            block.attention.max_logits = None  # this step's batch only
         for m, (x, y) in enumerate(zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum))):
             model.set_requires_gradient_sync(m == args.grad_accum - 1)
             loss = model(x.to(device), y.to(device)) / args.grad_accum
@@ -252,6 +268,7 @@ def train(args: argparse.Namespace) -> dict:
         t1 = time.perf_counter()
         for opt in optimizers:
             opt.step()
+        logits = clip.clip([block.attention.max_logits for block in model.layers]) if clip else None
         if device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -272,6 +289,9 @@ def train(args: argparse.Namespace) -> dict:
                   "fwd_bwd_ms": 1e3 * (t1 - t0), "opt_ms": 1e3 * (t2 - t1), "peak_memory_mb": peak_memory_mb(device)}  # fmt: skip
         if peak:
             record["mfu"] = tflops / peak
+        if logits is not None:  # reduced over the ranks: the batch's largest logits, before any clip
+            per_layer = logits.amax(dim=1).tolist()
+            record.update(max_logit=max(per_layer), max_logit_per_layer=per_layer)
         if (step + 1) % args.val_every == 0 or step + 1 == args.steps:
             record["val_loss"] = history["val"][step + 1] = evaluate(model, val_data, device)
         if log:

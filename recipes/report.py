@@ -52,6 +52,7 @@ def load_run(run_dir: Path, root: Path) -> dict:
         "name": run_dir.relative_to(root).as_posix() if run_dir != root else root.resolve().name,
         "preset": config["args"]["preset"],
         "optimizer": config["args"]["optimizer"],
+        "qk_clip": config["args"].get("qk_clip"),
         "world_size": config["world_size"],
         "data": config["data"],
         "loss_unit": config["loss_unit"],
@@ -97,7 +98,7 @@ def distinct(runs: list[dict], key: str) -> str:
 
 def labels(runs: list[dict]) -> list[str]:
     """'optimizer lr=...', plus the run's path where two runs would share a label."""
-    base = [f"{r['optimizer']} lr={r['lr']:g}" for r in runs]
+    base = [f"{r['optimizer']} lr={r['lr']:g}" + (f" qk-clip={r['qk_clip']:g}" if r["qk_clip"] else "") for r in runs]
     return [f"{b} ({r['name']})" if base.count(b) > 1 else b for b, r in zip(base, runs)]
 
 
@@ -120,7 +121,9 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ylabel = f"loss ({distinct(runs, 'loss_unit')})"
-    fig, (step_ax, val_ax, time_ax) = plt.subplots(1, 3, figsize=(16, 5))
+    logits = any("max_logit" in rec for r in runs for rec in r["records"])
+    fig, axes = plt.subplots(1, 4 if logits else 3, figsize=(21 if logits else 16, 5))
+    step_ax, val_ax, time_ax = axes[:3]
     for i, (r, label) in enumerate(zip(runs, labels(runs))):
         records = r["records"]
         smooth = running_mean([rec["train_loss"] for rec in records], max(1, len(records) // 50))
@@ -129,6 +132,14 @@ def plot(runs: list[dict], path: Path) -> None:
         val = [(rec["step"], rec["val_loss"]) for rec in records if "val_loss" in rec]
         if val:
             val_ax.plot(*zip(*val), marker="o", color=f"C{i}", label=label)
+        seen = [(rec["step"], rec["max_logit"]) for rec in records if "max_logit" in rec]
+        if seen:
+            axes[3].plot(*zip(*seen), color=f"C{i}", label=label)
+            if r["qk_clip"]:
+                axes[3].axhline(r["qk_clip"], color=f"C{i}", linestyle=":", linewidth=1)
+    if logits:
+        axes[3].set(title="largest pre-softmax logit (any layer, head)", xlabel="step", ylabel="q . k / sqrt(d)")
+        axes[3].grid(alpha=0.3)
     step_ax.set(title="train loss (running mean)", xlabel="step", ylabel=ylabel, yscale="log")
     val_ax.set(title="validation loss", xlabel="step", ylabel=ylabel)
     time_ax.set(title="train loss (running mean) against time", xlabel="training time (min)", ylabel=ylabel,

@@ -102,11 +102,14 @@ def check_smoke_run(run_dir: Path, history: dict, optimizer: str, extra: list[st
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
     else:
         assert "mfu" not in logged[0] and not (run_dir / "tensorboard").exists()
+    for r in logged:  # --qk-clip and --max-logits log each layer's largest logit (tiny: 2 layers)
+        assert len(r["max_logit_per_layer"]) == 2 and r["max_logit"] == max(r["max_logit_per_layer"]) > 0
     return logged
 
 
 def test_smoke_two_ranks_and_the_logged_gradient_norm_is_before_clipping(tmp_path, cache):
-    runs = {"dmuon": ["--tensorboard", "--peak-tflops", "0.5", "--clip", "1e-3"], "torch-muon": ["--clip", "0"]}
+    runs = {"dmuon": ["--tensorboard", "--peak-tflops", "0.5", "--clip", "1e-3", "--qk-clip", "0.03"],
+            "torch-muon": ["--clip", "0", "--max-logits"]}
     first_norms = []
     for optimizer, extra in runs.items():
         history = run_ranks(run_recipe, 2, tmp_path / optimizer, cache, ["--optimizer", optimizer, *extra])[0]

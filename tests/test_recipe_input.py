@@ -74,6 +74,9 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
         "--steps 0 in a used run dir": (["--steps", "0", "--run-dir", str(used)], {}, "--steps must be at least 1 (got 0)"),
         "negative lr": (["--lr", "-0.01"], {}, "--lr must be positive (got -0.01)"),
         "negative AdamW lr": (["--adamw-lr", "-0.001"], {}, "--adamw-lr must be positive (got -0.001)"),
+        "QK-clip threshold": (["--qk-clip", "0"], {}, "--qk-clip must be positive (got 0)"),
+        "QK-clip alpha": (["--qk-clip", "10", "--qk-clip-alpha", "1.5"], {},
+                          "--qk-clip-alpha must be between 0 and 1 (got 1.5)"),
         "NS form for AdamW": (["--optimizer", "adamw", "--ns-algorithm", "gram"], {},
                               "--ns-algorithm applies to --optimizer dmuon only (got --optimizer adamw)"),
         "token beyond the vocabulary, training": (

@@ -6,7 +6,8 @@ present). Reported per contender, after warm-up: median and spread of the slowes
 time and the total CPU time of all ranks; for DMuonFSDP also a phase breakdown, NS flops per rank
 (max/mean = load imbalance), bytes per rank against the plan's bound, and the matmul floor: the
 time plain ``torch.bmm`` takes for this rank's NS products, measured in the same run, giving
-NS efficiency = floor / measured NS time.
+NS efficiency = floor / measured NS time. ``dmuon-qk-clip`` is DMuonFSDP followed by QK-clip on
+every attention layer with every head over tau (the clip's full per-step cost).
 
     python scripts/bench_optimizer.py --world-size 2
     python scripts/bench_optimizer.py --world-size 4 --contenders adamw dmuon gather-muon
@@ -32,14 +33,30 @@ from torch.distributed.fsdp import fully_shard
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from dmuon_fsdp import DMuonFSDP, param_groups  # noqa: E402
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups  # noqa: E402
 from dmuon_fsdp.newton_schulz import default_ns_dtype  # noqa: E402
 from dmuon_fsdp.stats import PHASES  # noqa: E402
 from gather_muon import GatherAllMuon  # noqa: E402
 from matmul_floor import bmm_seconds, ns_throughput_report  # noqa: E402
 from recipes.model import PRESETS, Transformer, preset  # noqa: E402
 
-CONTENDERS = ["adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap"]
+CONTENDERS = ["adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap", "dmuon-qk-clip"]
+
+
+class ClippedStep:
+    """DMuonFSDP's step, then QK-clip on every attention layer with logits over tau on every head
+    (so every step scales every q and k row): the clip's whole cost, its all_reduce included."""
+
+    def __init__(self, model: torch.nn.Module, ns_dtype: torch.dtype):
+        self.opt = DMuonFSDP(param_groups(model), ns_dtype=ns_dtype)
+        attention = [block.attention for block in model.layers]
+        self.clip = QKClip(self.opt, [AttentionWeights(a.wq.weight, a.wk.weight, a.n_heads, a.n_kv_heads)
+                                      for a in attention], tau=1.0)  # fmt: skip
+        self.logits = [torch.full((a.n_heads,), 2.0, device=a.wq.weight.device) for a in attention]
+
+    def step(self) -> None:
+        self.opt.step()
+        self.clip.clip(self.logits)
 
 
 def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) -> list:
@@ -49,6 +66,8 @@ def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) ->
     groups = param_groups(model)
     if name in ("dmuon", "dmuon-no-overlap"):
         return [DMuonFSDP(groups, ns_dtype=ns_dtype, overlap=name == "dmuon")]
+    if name == "dmuon-qk-clip":
+        return [ClippedStep(model, ns_dtype)]
     muon, adamw = ([p for _, p in g["params"]] for g in groups)
     rest = torch.optim.AdamW(adamw, lr=1e-3, foreach=True)
     if name == "gather-muon":

@@ -27,7 +27,8 @@ def test_bench_optimizer_reports_every_contender_and_plan_bytes(tmp_path):
     _run("scripts/bench_optimizer.py", "--world-size", "2", "--preset", "tiny", "--steps", "1", "--warmup", "0",
          "--slow-steps", "1", "--out", out)  # fmt: skip
     result = json.loads(out.read_text())
-    assert set(result["contenders"]) == {"adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap"}
+    assert set(result["contenders"]) == {"adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap",
+                                         "dmuon-qk-clip"}  # fmt: skip
     for rank in result["dmuon_breakdown"]["ranks"]:
         assert rank["bytes_sent"] == rank["bytes_received"] == rank["bytes_bound"] > 0
         assert rank["floor_s"] > 0 and rank["seconds"]["newton_schulz"] > 0

@@ -2,8 +2,8 @@
 
 ``launch`` starts one ``all_to_all_single`` on the buffers and split sizes it is handed (both in
 process-group rank order, as ``dmuon_fsdp.schedule`` lays them out) and returns a handle to
-wait on. The small collectives here serve rare paths only: agreeing on a plan when it is built,
-and sharing per-parameter findings for an error message. Every collective runs on views of its
+wait on. The small collectives here serve agreeing on a plan when it is built, sharing
+per-parameter findings for an error message, and QK-clip's per-step MAX of attention logits. Every collective runs on views of its
 buffers, and on CPU returns only once gloo's worker thread has let go of them (``settle``), so
 that no release is left for interpreter exit.
 """

@@ -9,8 +9,9 @@ the group's largest logit and scales all of the group's query heads and its key 
 at or under tau is not touched at all (bitwise). Fused QKV weights name the rows of q and of k.
 
 Every rank scales the rows of its own shard only (FSDP2 rows split anywhere, HSDP, DDP replicas,
-tensor-parallel heads): the per-head logits are first reduced with MAX over all ranks, one
-``all_reduce`` of layers x heads numbers, so every copy of a row gets the same factor.
+tensor-parallel heads): the per-head logits are first reduced with MAX over the ranks that hold
+these layers (all of them, or ``group``: a pipeline stage's ranks), one ``all_reduce`` of layers x
+heads numbers, so every copy of a row gets the same factor.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dmuon_fsdp import comm
-from dmuon_fsdp.layouts import local_shard
+from dmuon_fsdp.layouts import local_shard, param_boxes
 
 
 @dataclass(frozen=True)
@@ -43,20 +45,13 @@ class AttentionWeights:
     k_rows: tuple[int, int] | None = None
 
 
-@dataclass(frozen=True)
-class _Rows:
-    """A weight's local rows: its local shard as (rows, -1) and the global index of its first row."""
-
-    local: Tensor
-    first: int
-
-
-def _local_rows(param: Tensor) -> _Rows:
-    first = 0
-    if isinstance(param, DTensor):
-        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        first = offset[0]
-    return _Rows(local_shard(param), first)
+def _local_rows(param: Tensor) -> tuple[Tensor, int]:
+    """A weight's local shard and the global index of its first row (its block is checked against
+    DTensor's rule at construction)."""
+    if not isinstance(param, DTensor):
+        return param, 0
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return local_shard(param), offset[0]
 
 
 class QKClip:
@@ -68,20 +63,24 @@ class QKClip:
     reduces and returns them (logging without clipping).
 
     Bad input raises ``ValueError`` on every rank: at construction (a weight that is not one of
-    the optimizer's parameters, head counts that do not divide the rows), and in ``clip``
-    (a tensor of the wrong shape, NaN) after the reduction, so no rank is left waiting.
+    the optimizer's parameters, head counts that do not divide the rows, a fused weight without
+    disjoint row ranges), and in ``clip`` (a missing or misshapen entry, NaN or +inf) after the
+    reduction, so no rank is left waiting. The weights are held as given: after a framework
+    replaces the optimizer's parameters, build a new QKClip.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, layers: Sequence[AttentionWeights],
-                 tau: float | None = 100.0, alpha: float = 0.5):  # fmt: skip
+                 tau: float | None = 100.0, alpha: float = 0.5, group: Any = None):  # fmt: skip
         if tau is not None and not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
             raise ValueError(f"tau must be a finite number > 0 (or None: only reduce the logits), got {tau!r}")
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         names = getattr(optimizer, "_names", {})
         known = {p for group in optimizer.param_groups for p in group["params"]}
-        self.tau, self.alpha, self.layers = tau, float(alpha), tuple(layers)
+        self.tau, self.alpha, self.layers, self.group = tau, float(alpha), tuple(layers), group
         self._ranges = [self._check(i, layer, known, names) for i, layer in enumerate(self.layers)]
+        for p in {p for layer in self.layers for p in (layer.q, layer.k)}:  # blocks DTensor places as rectangles
+            param_boxes(p, names.get(p, f"shape {tuple(p.shape)}"), comm.default_world_size())
         self.width = max((layer.heads for layer in self.layers), default=0)
 
     @staticmethod
@@ -101,6 +100,10 @@ class QKClip:
             if not (isinstance(heads, int) and heads > 0 and (stop - start) % heads == 0):
                 raise ValueError(f"layers[{i}]: the {stop - start} {role} rows of {name} do not split into {heads} heads")
             ranges.append((start, stop))
+        if layer.q is layer.k and (layer.q_rows is None or layer.k_rows is None or
+                                   max(ranges[0][0], ranges[1][0]) < min(ranges[0][1], ranges[1][1])):
+            raise ValueError(f"layers[{i}]: a fused weight passed as both q and k needs disjoint q_rows and k_rows "
+                             f"(got {layer.q_rows} and {layer.k_rows})")  # fmt: skip
         if layer.heads % kv_heads:
             raise ValueError(f"layers[{i}]: {layer.heads} query heads do not split into {kv_heads} key-head groups")
         (q0, q1), (k0, k1) = ranges
@@ -110,33 +113,37 @@ class QKClip:
         return ranges[0], ranges[1]
 
     def clip(self, max_logits: Sequence[Tensor]) -> Tensor:
+        """Reduce ``max_logits`` (one (heads,) tensor per layer) over the ranks, clip, and return
+        the reduced table (layers x heads)."""
         device = self.layers[0].q.device if self.layers else torch.device("cpu")
         table = torch.full((len(self.layers), self.width + 2), -math.inf, device=device)
         table[:, self.width :] = 0.0  # flags: a wrong shape, a NaN
         for i, layer in enumerate(self.layers):
             given = max_logits[i] if i < len(max_logits) else None
-            if given is None or tuple(given.shape) != (layer.heads,):
+            if not isinstance(given, Tensor) or tuple(given.shape) != (layer.heads,):
                 table[i, self.width] = 1.0
                 continue
-            table[i, : layer.heads] = given.detach().to(device=device, dtype=torch.float32)
-            table[i, self.width + 1] = torch.isnan(table[i, : layer.heads]).any().float()
-        if len(max_logits) != len(self.layers):
+            row = table[i, : layer.heads]
+            row.copy_(given.detach())
+            table[i, self.width + 1] = (torch.isnan(row) | (row == math.inf)).any().float()
+        if len(max_logits) > len(self.layers):
             table[:, self.width] = 1.0
         if comm.default_world_size() > 1:
-            comm.all_max(table, None)
+            comm.all_max(table, self.group)
         host = table.cpu()  # the one device-to-host read
-        self._raise_for(host[:, self.width :].tolist(), len(max_logits))
+        self._raise_for(host[:, self.width :].tolist())
         if self.tau is not None:
             self._scale(host[:, : self.width])
         return table[:, : self.width]
 
-    def _raise_for(self, flags: list[list[float]], given: int) -> None:
+    def _raise_for(self, flags: list[list[float]]) -> None:
         for i, (shape, nan) in enumerate(flags):
             if shape:
-                raise ValueError(f"max_logits[{i}] must be a tensor of shape ({self.layers[i].heads},), one logit per "
-                                 f"query head, on every rank (one rank passed {given} tensors, or another shape)")  # fmt: skip
+                raise ValueError(f"max_logits must be {len(self.layers)} tensors, max_logits[{i}] of shape "
+                                 f"({self.layers[i].heads},) (one logit per query head), on every rank; some "
+                                 "rank passed another count, type or shape")  # fmt: skip
             if nan:
-                raise ValueError(f"max_logits[{i}] holds NaN on some rank")
+                raise ValueError(f"max_logits[{i}] holds NaN or +inf on some rank")
 
     def _scale(self, logits: Tensor) -> None:
         """Row factors (computed on the host from ``logits``) of every weight with a clipped
@@ -153,7 +160,6 @@ class QKClip:
                 rows[start:stop] *= gamma.pow(power).repeat_interleave((stop - start) // groups)
         with torch.no_grad():
             for param, rows in factors.items():
-                mine = _local_rows(param)  # read now: the parameter's storage may have been replaced
-                count = mine.local.shape[0]
-                if count:
-                    mine.local.mul_(rows[mine.first : mine.first + count, None].to(mine.local))
+                local, first = _local_rows(param)  # read now: the parameter's storage may have been replaced
+                if local.shape[0]:
+                    local.mul_(rows[first : first + local.shape[0], None].to(local))

@@ -89,14 +89,17 @@ class Attention(nn.Module):
 
 def causal_max_logits(q: torch.Tensor, k: torch.Tensor, chunk: int = 128) -> torch.Tensor:
     """Each head's largest causal pre-softmax logit q . k / sqrt(d) over a batch: q, k of shape
-    (batch, heads, time, d). Queries are taken ``chunk`` at a time, so memory is batch x heads x
-    chunk x time rather than the full time x time scores."""
+    (batch, heads, time, d). Queries are taken ``chunk`` at a time, so memory is fp32 copies of q
+    and k and batch x heads x chunk x time scores, not the full time x time; the work is one more
+    causal q k^T per layer and micro-batch."""
     t, scale = q.shape[2], q.shape[-1] ** -0.5
+    q, k = q.float(), k.float()
     best = torch.full((q.shape[1],), -torch.inf, device=q.device)
     for start in range(0, t, chunk):
-        scores = torch.einsum("bhqd,bhkd->bhqk", q[:, :, start : start + chunk].float(), k.float()) * scale
-        rows = torch.arange(start, min(start + chunk, t), device=q.device)
-        scores.masked_fill_(torch.arange(t, device=q.device) > rows[:, None], -torch.inf)  # key after query
+        stop = min(start + chunk, t)  # keys past the chunk's last query are all masked: left out
+        scores = torch.einsum("bhqd,bhkd->bhqk", q[:, :, start:stop], k[:, :, :stop]) * scale
+        rows = torch.arange(start, stop, device=q.device)
+        scores.masked_fill_(torch.arange(stop, device=q.device) > rows[:, None], -torch.inf)  # key after query
         best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
     return best
 

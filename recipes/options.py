@@ -7,6 +7,7 @@ every rank exits with status 2, before any model is built or any file is written
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from dmuon_fsdp.newton_schulz import NS_ALGORITHMS
@@ -70,7 +71,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     opt.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
                      help="QK-clip (MuonClip) after each optimizer step: shrink the q/k rows of heads whose "
                           "largest pre-softmax logit passed TAU (logs max logits too)")  # fmt: skip
-    opt.add_argument("--qk-clip-alpha", type=float, default=0.5, help="the q side's share of the QK-clip factor")
+    opt.add_argument("--qk-clip-alpha", type=float, default=None,
+                     help="the q side's share of the QK-clip factor (default: 0.5)")
     opt.add_argument("--max-logits", action="store_true",
                      help="log each layer's largest pre-softmax logit (metrics max_logit, max_logit_per_layer)")
 
@@ -131,9 +133,11 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
     for flag, value in {"--weight-decay": args.weight_decay, "--clip": args.clip}.items():
         if not value >= 0:
             raise UsageError(f"{flag} must not be negative (got {value:g})")
-    if args.qk_clip is not None and args.qk_clip == float("inf"):
-        raise UsageError("--qk-clip must be finite (got inf)")
-    if not 0 <= args.qk_clip_alpha <= 1:
+    if args.qk_clip is not None and not math.isfinite(args.qk_clip):
+        raise UsageError(f"--qk-clip must be finite (got {args.qk_clip:g})")
+    if args.qk_clip_alpha is not None and args.qk_clip is None:
+        raise UsageError("--qk-clip-alpha applies with --qk-clip only")
+    if args.qk_clip_alpha is not None and not 0 <= args.qk_clip_alpha <= 1:
         raise UsageError(f"--qk-clip-alpha must be between 0 and 1 (got {args.qk_clip_alpha:g})")
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {args.min_lr_ratio:g})")

@@ -197,7 +197,7 @@ def qk_clip(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.o
         attention = block.attention
         attention.track_max_logits = True
         layers.append(AttentionWeights(attention.wq.weight, attention.wk.weight, attention.n_heads, attention.n_kv_heads))
-    return QKClip(optimizer, layers, tau=args.qk_clip, alpha=args.qk_clip_alpha)
+    return QKClip(optimizer, layers, tau=args.qk_clip, alpha=0.5 if args.qk_clip_alpha is None else args.qk_clip_alpha)
 
 
 def keep_this_runs_settings(optimizers: list, schedulers: list, settings: list[list[dict]]) -> None:

@@ -7,7 +7,8 @@ time and the total CPU time of all ranks; for DMuonFSDP also a phase breakdown, 
 (max/mean = load imbalance), bytes per rank against the plan's bound, and the matmul floor: the
 time plain ``torch.bmm`` takes for this rank's NS products, measured in the same run, giving
 NS efficiency = floor / measured NS time. ``dmuon-qk-clip`` is DMuonFSDP followed by QK-clip on
-every attention layer with every head over tau (the clip's full per-step cost).
+every attention layer with every head over tau: the clip's cost after the step (not the forward's
+logit tracking, which is the training loop's).
 
     python scripts/bench_optimizer.py --world-size 2
     python scripts/bench_optimizer.py --world-size 4 --contenders adamw dmuon gather-muon
@@ -45,7 +46,7 @@ CONTENDERS = ["adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmu
 
 class ClippedStep:
     """DMuonFSDP's step, then QK-clip on every attention layer with logits over tau on every head
-    (so every step scales every q and k row): the clip's whole cost, its all_reduce included."""
+    (so every step scales every q and k row), its all_reduce included."""
 
     def __init__(self, model: torch.nn.Module, ns_dtype: torch.dtype):
         self.opt = DMuonFSDP(param_groups(model), ns_dtype=ns_dtype)

@@ -46,13 +46,19 @@ def layers(model):
             AttentionWeights(model.qkv.weight, model.qkv.weight, HEADS, KV_HEADS, Q_ROWS, K_ROWS)]  # fmt: skip
 
 
-def rank_logits(step, rank):
+def rank_logits(step, rank, tensor_parallel=False):
     """Per layer, this rank's largest logit per query head. Layer 0: group 0 (heads 0, 1) is
     always over tau, group 1 only where a rank's extra lifts head 3 past it; layer 1 stays
-    under tau except at step 1."""
+    under tau except at step 1. Under tensor parallelism on (2, 2) a rank computes only the
+    query heads of its tp coordinate's rows (layer 0: heads 2c, 2c + 1; the fused layer's q rows
+    all sit on c = 0) and passes -inf for the others."""
     extra = 0.4 * rank
     first = torch.tensor([8.0, 12.0 + step, 9.0, 9.5 + extra])
     second = torch.tensor([5.0, 6.0, 7.0 + extra, 9.0]) + (3.0 if step == 1 else 0.0)
+    if tensor_parallel:
+        c = rank % 2
+        first[[h for h in range(HEADS) if h // 2 != c]] = -torch.inf
+        second[:] = second if c == 0 else -torch.inf
     return [first, second]
 
 
@@ -79,7 +85,7 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def train(rank, world_size, model, loss_fn):
+def train(rank, world_size, model, loss_fn, tensor_parallel=False):
     params = dict(model.named_parameters())
     ref = {n: _full(p).detach().double().clone() for n, p in params.items()}
     bufs = {n: torch.zeros_like(p) for n, p in ref.items()}
@@ -92,12 +98,12 @@ def train(rank, world_size, model, loss_fn):
         opt.step()
         opt.zero_grad()
         before = _local(model.qkv.weight).detach().clone()
-        reduced = clip.clip(rank_logits(step, rank))
+        reduced = clip.clip(rank_logits(step, rank, tensor_parallel))
         if step != 1:  # the fused layer stayed under tau: its rows are bitwise as the step left them
             untouched.append(torch.equal(before, _local(model.qkv.weight).detach()))
         for n in ref:
             reference_muon_step(ref[n], grads[n], bufs[n], **REFERENCE)
-        every_rank = [rank_logits(step, r) for r in range(world_size)]
+        every_rank = [rank_logits(step, r, tensor_parallel) for r in range(world_size)]
         expected = [torch.stack([logits[i] for logits in every_rank]).amax(0) for i in range(2)]
         assert torch.equal(reduced[0], expected[0]) and torch.equal(reduced[1], expected[1])
         reference_clip(ref, expected)
@@ -127,7 +133,7 @@ def fsdp_tp(rank, world_size):
     model = Attention()
     parallelize_module(model, mesh["tp"], {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "qkv": ColwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    return train(rank, world_size, model, model)
+    return train(rank, world_size, model, model, tensor_parallel=True)
 
 
 CASES = {"fsdp": (fsdp, [1, 2, 3, 4]), "hsdp": (hsdp, [4]), "ddp": (ddp, [2]), "fsdp_tp": (fsdp_tp, [4])}
@@ -166,14 +172,17 @@ def test_rule_single_process_bitwise_for_heads_under_tau():
     (dict(heads=3), "do not split into 3 heads"),
     (dict(heads=4, kv_heads=3), "do not split into 3 heads"),
     (dict(heads=2, kv_heads=2), "query heads of 10 rows, key heads of 5"),
+    (dict(q="qkv", heads=4, kv_heads=2), r"needs disjoint q_rows and k_rows \(got None and None\)"),
+    (dict(q="qkv", heads=4, kv_heads=2, q_rows=(0, 20), k_rows=(10, 20)), "needs disjoint q_rows and k_rows"),
 ])  # fmt: skip
 def test_bad_layers_raise(layer, match):
     model = Attention()
-    opt = DMuonFSDP([model.wq.weight, model.wk.weight])
-    q = nn.Parameter(torch.zeros(20, 8)) if "q" in layer else model.wq.weight
-    options = {k: v for k, v in layer.items() if k != "q"}
+    opt = DMuonFSDP([model.wq.weight, model.wk.weight, model.qkv.weight])
+    q = {"qkv": model.qkv.weight, None: nn.Parameter(torch.zeros(20, 8))}[layer["q"]] if "q" in layer else model.wq.weight
+    k = model.qkv.weight if layer.get("q") == "qkv" else model.wk.weight
+    options = {key: v for key, v in layer.items() if key != "q"}
     with pytest.raises(ValueError, match=match):
-        QKClip(opt, [AttentionWeights(q, model.wk.weight, **options)], tau=TAU)
+        QKClip(opt, [AttentionWeights(q, k, **options)], tau=TAU)
 
 
 def bad_logits(rank, world_size, kind):
@@ -182,7 +191,9 @@ def bad_logits(rank, world_size, kind):
     clip = QKClip(DMuonFSDP(model.parameters()), layers(model), tau=TAU)
     logits = rank_logits(0, rank)
     if rank == 1:  # only one rank is wrong: every rank must raise, none may wait
-        logits[1] = torch.zeros(3) if kind == "shape" else torch.tensor([1.0, float("nan"), 1.0, 1.0])
+        bad = {"shape": torch.zeros(3), "type": 1.0, "nan": torch.tensor([1.0, float("nan"), 1.0, 1.0]),
+               "inf": torch.tensor([1.0, float("inf"), 1.0, 1.0])}  # fmt: skip
+        logits = logits[:1] if kind == "count" else [logits[0], bad[kind]]
     try:
         clip.clip(logits)
     except ValueError as error:
@@ -191,8 +202,11 @@ def bad_logits(rank, world_size, kind):
 
 
 @pytest.mark.parametrize("kind,message", [
-    ("shape", "max_logits[1] must be a tensor of shape (4,), one logit per query head, on every rank"),
-    ("nan", "max_logits[1] holds NaN on some rank"),
+    ("shape", "max_logits must be 2 tensors, max_logits[1] of shape (4,) (one logit per query head), on every rank"),
+    ("type", "max_logits must be 2 tensors, max_logits[1] of shape (4,)"),
+    ("count", "max_logits must be 2 tensors, max_logits[1] of shape (4,)"),
+    ("nan", "max_logits[1] holds NaN or +inf on some rank"),
+    ("inf", "max_logits[1] holds NaN or +inf on some rank"),
 ])  # fmt: skip
 def test_bad_logits_on_one_rank_raise_on_every_rank(kind, message):
     for error in run_ranks(bad_logits, 2, kind):

@@ -83,7 +83,12 @@ class MetricsLog:
         self.file.flush()
         if self.writer:
             for key, value in record.items():
-                if key != "step" and value is not None:
+                if key == "step" or value is None:
+                    continue
+                if isinstance(value, list):  # one scalar per layer: max_logit_per_layer/0, /1, ...
+                    for i, item in enumerate(value):
+                        self.writer.add_scalar(f"{key}/{i}", item, record["step"])
+                else:
                     self.writer.add_scalar(key, value, record["step"])
 
     def close(self) -> None:

@@ -70,7 +70,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=False)
-        self.track_max_logits = False  # record each head's largest pre-softmax logit (for QK-clip)
+        self.track_max_logits = False  # record each head's largest pre-softmax logit (for QK-clip), in
+        # forwards with gradients only: validation under no_grad leaves the training batch's record
         self.max_logits: torch.Tensor | None = None  # (n_heads,), the largest since it was last reset
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         repeat = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        if self.track_max_logits:
+        if self.track_max_logits and torch.is_grad_enabled():
             seen = causal_max_logits(q.detach(), k.detach())
             self.max_logits = seen if self.max_logits is None else torch.maximum(self.max_logits, seen)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

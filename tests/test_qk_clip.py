@@ -239,3 +239,16 @@ def test_recipe_model_logits_after_a_clip_are_at_most_tau():
     assert (groups > tau).any() and not (groups > tau).all()
     assert torch.allclose(after, torch.where(groups > tau, before * tau / groups, before), rtol=1e-5)
     assert float(after.max()) == pytest.approx(tau, rel=1e-5)
+
+
+def test_recipe_model_tracks_logits_in_training_forwards_only():
+    from recipes.model import Transformer, preset
+
+    model = Transformer(preset("tiny"))
+    for block in model.layers:
+        block.attention.track_max_logits = True
+    with torch.no_grad():  # as recipes.pretrain.evaluate runs
+        model(torch.randint(0, 256, (2, 16)))
+    assert all(block.attention.max_logits is None for block in model.layers)
+    model(torch.randint(0, 256, (2, 16)))
+    assert all(block.attention.max_logits.shape == (4,) for block in model.layers)

@@ -45,13 +45,13 @@ class AttentionWeights:
     k_rows: tuple[int, int] | None = None
 
 
-def _local_rows(param: Tensor) -> tuple[Tensor, int]:
-    """A weight's local shard and the global index of its first row (its block is checked against
-    DTensor's rule at construction)."""
+def _first_row(param: Tensor, name: str) -> int:
+    """The global index of the first row of this rank's block of ``param``, after checking that
+    DTensor places every rank's block as a rectangle (``layouts.param_boxes``)."""
     if not isinstance(param, DTensor):
-        return param, 0
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return local_shard(param), offset[0]
+        return 0
+    param_boxes(param, name, comm.default_world_size())
+    return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1][0]
 
 
 class QKClip:
@@ -79,8 +79,8 @@ class QKClip:
         known = {p for group in optimizer.param_groups for p in group["params"]}
         self.tau, self.alpha, self.layers, self.group = tau, float(alpha), tuple(layers), group
         self._ranges = [self._check(i, layer, known, names) for i, layer in enumerate(self.layers)]
-        for p in {p for layer in self.layers for p in (layer.q, layer.k)}:  # blocks DTensor places as rectangles
-            param_boxes(p, names.get(p, f"shape {tuple(p.shape)}"), comm.default_world_size())
+        self._first_rows = {p: _first_row(p, names.get(p, f"shape {tuple(p.shape)}"))
+                            for layer in self.layers for p in (layer.q, layer.k)}  # fmt: skip
         self.width = max((layer.heads for layer in self.layers), default=0)
 
     @staticmethod
@@ -117,15 +117,15 @@ class QKClip:
         the reduced table (layers x heads)."""
         device = self.layers[0].q.device if self.layers else torch.device("cpu")
         table = torch.full((len(self.layers), self.width + 2), -math.inf, device=device)
-        table[:, self.width :] = 0.0  # flags: a wrong shape, a NaN
+        table[:, self.width :] = 0.0  # flags: a wrong shape, NaN or +inf
         for i, layer in enumerate(self.layers):
             given = max_logits[i] if i < len(max_logits) else None
             if not isinstance(given, Tensor) or tuple(given.shape) != (layer.heads,):
                 table[i, self.width] = 1.0
                 continue
-            row = table[i, : layer.heads]
-            row.copy_(given.detach())
-            table[i, self.width + 1] = (torch.isnan(row) | (row == math.inf)).any().float()
+            table[i, : layer.heads].copy_(given.detach())
+        logits = table[:, : self.width]
+        table[:, self.width + 1] = (logits.isnan() | (logits == math.inf)).any(dim=1)  # -inf pads
         if len(max_logits) > len(self.layers):
             table[:, self.width] = 1.0
         if comm.default_world_size() > 1:
@@ -160,6 +160,6 @@ class QKClip:
                 rows[start:stop] *= gamma.pow(power).repeat_interleave((stop - start) // groups)
         with torch.no_grad():
             for param, rows in factors.items():
-                local, first = _local_rows(param)  # read now: the parameter's storage may have been replaced
+                local, first = local_shard(param), self._first_rows[param]  # the shard read now: storage may change
                 if local.shape[0]:
                     local.mul_(rows[first : first + local.shape[0], None].to(local))

@@ -223,7 +223,7 @@ def orthogonalize_(
     if sum(segments) != len(coefficients) or min(segments) < 1:
         raise ValueError(f"segments {tuple(segments)} do not split {len(coefficients)} iterations")
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps)
-    here, there = x, work.y
+    here, there = (x, x.mT), (work.y, work.y.mT)  # transposed views made once: one op each
     if len(segments) % 2:
         torch.div(x, norm, out=work.y)
         here, there = there, here
@@ -231,19 +231,21 @@ def orthogonalize_(
         x.div_(norm)
     start = 0
     for length in segments:
-        _segment(here, there, coefficients[start : start + length], work.squares)
+        _segment(*here, there[0], coefficients[start : start + length], work.squares)
         start += length
         here, there = there, here
     return x
 
 
-def _segment(x: Tensor, out: Tensor, coefficients: Sequence[Coefficients], squares: tuple[Tensor, ...]) -> None:
+def _segment(
+    x: Tensor, x_t: Tensor, out: Tensor, coefficients: Sequence[Coefficients], squares: tuple[Tensor, ...]
+) -> None:
     """out <- Q_k ... Q_1 x. One iteration: the standard step a X + (b A + c A^2) X. Several:
     Gram Newton-Schulz, which never forms the iterates between: with R = X X^T, each Q is a
     polynomial in R, R <- Q R Q and Z <- Q Z, and out = Z x at the end. Q's identity part is
     applied through ``beta`` rather than added to a rounded matrix, except in the first Z."""
     r, p = squares[:2]
-    torch.bmm(x, x.mT, out=r)
+    torch.bmm(x, x_t, out=r)
     if len(coefficients) == 1:
         a, b, c = coefficients[0]
         torch.baddbmm(r, r, r, beta=b, alpha=c, out=p)

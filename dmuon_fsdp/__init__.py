@@ -4,10 +4,10 @@
     opt = DMuonFSDP(model.parameters(), lr=0.02)      # or DMuonFSDP(param_groups(model))
 """
 
-from dmuon_fsdp.grad_checks import GradientMismatchError, NonFiniteGradientError
-from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS, newton_schulz
+from dmuon_fsdp.checks import GradientMismatchError, NonFiniteGradientError
 from dmuon_fsdp.elementwise import adjusted_lr
 from dmuon_fsdp.layouts import chunk_row_counts
+from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS, newton_schulz
 from dmuon_fsdp.optimizer import DMuonFSDP
 from dmuon_fsdp.param_groups import param_groups
 from dmuon_fsdp.planner import Plan, build_plan

@@ -1,11 +1,12 @@
 """The only module calling torch.distributed: a passive transport and the groups it uses.
 
-``launch`` starts one ``all_to_all_single`` on the buffers and split sizes it is handed (both in
+``launch`` starts one ``all_to_all_single`` of an ``Exchange`` (buffers and split sizes in
 process-group rank order, as ``dmuon_fsdp.schedule`` lays them out) and returns a handle to
-wait on. The small collectives here serve agreeing on a plan when it is built, sharing
-per-parameter findings for an error message, and QK-clip's per-step MAX of attention logits. Every collective runs on views of its
-buffers, and on CPU returns only once gloo's worker thread has let go of them (``settle``), so
-that no release is left for interpreter exit.
+wait on. ``ExchangeSite`` is where a step's exchanges and checks run: a mesh and the process
+group over its ranks. The small collectives here serve agreeing on a plan when it is built,
+sharing per-parameter findings for an error message, and QK-clip's per-step MAX of attention
+logits. Every collective runs on views of its buffers, and on CPU returns only once gloo's
+worker thread has let go of them (``settle``), so that no release is left for interpreter exit.
 """
 
 from __future__ import annotations
@@ -67,15 +68,25 @@ def _start(collective, buffers: tuple[Tensor, ...], *args: Any, **kwargs: Any) -
     return Handle(buffers, work, references)
 
 
-def launch(send: Tensor, receive: Tensor, send_counts: list[int], receive_counts: list[int],
-           group: dist.ProcessGroup) -> Handle:  # fmt: skip
-    """Start ``all_to_all_single``: ``send_counts[g]`` elements of ``send`` to group rank g and
-    ``receive_counts[g]`` from it into ``receive``."""
+@dataclass(frozen=True)
+class Exchange:
+    """One ``all_to_all_single`` over ``group``: ``send_counts[g]`` elements of ``send`` go to
+    group rank g and ``receive_counts[g]`` arrive from it into ``receive``."""
+
+    send: Tensor
+    receive: Tensor
+    send_counts: list[int]
+    receive_counts: list[int]
+    group: dist.ProcessGroup
+
+
+def launch(exchange: Exchange) -> Handle:
+    """Start ``exchange``; ``wait`` on the handle returns its receive buffer."""
 
     def all_to_all(send_view, receive_view, **kwargs):
-        return dist.all_to_all_single(receive_view, send_view, receive_counts, send_counts, **kwargs)
+        return dist.all_to_all_single(receive_view, send_view, exchange.receive_counts, exchange.send_counts, **kwargs)
 
-    return _start(all_to_all, (send, receive), group=group)
+    return _start(all_to_all, (exchange.send, exchange.receive), group=exchange.group)
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,28 @@ def exchange_group(mesh: DeviceMesh | None) -> ExchangeGroup:
     index = {r: i for i, r in enumerate(ranks)}
     peers = tuple(index[r] for r in dist.get_process_group_ranks(group))
     return ExchangeGroup(group, index[dist.get_rank()], peers)
+
+
+class ExchangeSite:
+    """Where a step's exchanges and checks run: ``mesh`` (None: plain tensors, over the default
+    group) and its ``ExchangeGroup``, made on first use (a subset mesh's group is a collective of
+    its ranks). ``rank`` is this rank's mesh index, known without communication."""
+
+    def __init__(self, mesh: DeviceMesh | None) -> None:
+        self.mesh = mesh
+        self._group: ExchangeGroup | None = None
+
+    @property
+    def group(self) -> ExchangeGroup:
+        if self._group is None:
+            self._group = exchange_group(self.mesh)
+        return self._group
+
+    @property
+    def rank(self) -> int:
+        if self.mesh is None:
+            return default_rank()
+        return self.mesh.mesh.flatten().tolist().index(dist.get_rank())
 
 
 def default_world_size() -> int:

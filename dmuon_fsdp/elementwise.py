@@ -1,6 +1,6 @@
-"""Element-wise optimizer math on local shards, as foreach ops over lists: what Muon
-orthogonalizes, its step size, and AdamW through ``torch.optim``'s own functional
-implementation. No communication."""
+"""Element-wise optimizer math on local shards, as foreach ops over lists: the optimizer state
+each parameter holds, what Muon orthogonalizes, its step size, and AdamW through
+``torch.optim``'s own functional implementation. No communication."""
 
 from __future__ import annotations
 
@@ -11,6 +11,17 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as torch_adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach
+
+
+def initial_state(p: Tensor, use_muon: bool) -> dict[str, Tensor]:
+    """A parameter's optimizer state before its first step, placed like the parameter: Muon's
+    momentum buffer, or AdamW's moments and ``step`` (a plain tensor on the parameter's device,
+    where fused AdamW reads it)."""
+    zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if use_muon:
+        return {"momentum_buffer": zeros}
+    step = torch.zeros((), dtype=torch.float32, device=p.device)
+    return {"step": step, "exp_avg": zeros, "exp_avg_sq": torch.zeros_like(zeros)}
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:

@@ -13,9 +13,9 @@ rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 from itertools import product
 
 import torch
@@ -23,8 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
-
-from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
 
 
 @dataclass(frozen=True)
@@ -60,27 +58,20 @@ class MatrixLayout:
     rows: int
     cols: int
     pieces: tuple[Piece, ...]
-    ns_segments: tuple[int, ...]  # the Newton-Schulz form run on it (see newton_schulz.ns_segments)
     replicas: tuple[int, ...] | None = None
 
     @classmethod
-    def row_sharded(
-        cls, name: str, rows: int, cols: int, row_counts: Sequence[int], segments: tuple[int, ...]
-    ) -> MatrixLayout:
+    def row_sharded(cls, name: str, rows: int, cols: int, row_counts: Sequence[int]) -> MatrixLayout:
         """A matrix cut into consecutive row blocks, ``row_counts[r]`` rows on rank r (FSDP2)."""
         pieces, start = [], 0
         for count in row_counts:
             pieces.append(Piece(start, count, 0, cols) if count and cols else EMPTY)
             start += count
-        return cls(name, rows, cols, tuple(pieces), segments)
+        return cls(name, rows, cols, tuple(pieces))
 
     @property
     def numel(self) -> int:
         return self.rows * self.cols
-
-    @property
-    def cost(self) -> int:
-        return segments_flops(self.rows, self.cols, self.ns_segments)
 
     def replica(self, rank: int) -> int:
         return self.replicas[rank] if self.replicas else 0
@@ -101,7 +92,7 @@ def replicated(layout: MatrixLayout, copies: int) -> MatrixLayout:
     on a (copies, shards) mesh); for simulations and tests."""
     shards = len(layout.pieces)
     replicas = tuple(r for r in range(copies) for _ in range(shards))
-    return MatrixLayout(layout.name, layout.rows, layout.cols, layout.pieces * copies, layout.ns_segments, replicas)
+    return MatrixLayout(layout.name, layout.rows, layout.cols, layout.pieces * copies, replicas)
 
 
 def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
@@ -279,7 +270,6 @@ def _columns(shape: tuple[int, ...], box: Box, first: int, name: str, placements
 def describe_param(
     param: torch.Tensor,
     name: str,
-    segments: Callable[[int, int], tuple[int, ...]],
     flatten: bool = True,
     split_sizes: list[int] | None = None,
     num_heads: int | None = None,
@@ -289,8 +279,7 @@ def describe_param(
     """The Muon matrices of a parameter and every rank's piece of each.
 
     ``flatten`` views the weight as one (dim0, -1) matrix; otherwise a >2-D weight is a stack of
-    dim0 matrices (dim1, -1) (expert stacks). Each matrix is then cut by ``row_blocks``;
-    ``segments(rows, cols)`` gives its Newton-Schulz form (``newton_schulz.ns_segments``).
+    dim0 matrices (dim1, -1) (expert stacks). Each matrix is then cut by ``row_blocks``.
     Raises NotImplementedError for placements whose blocks are not matrix rectangles.
     """
     if param.ndim < 2:
@@ -317,28 +306,22 @@ def describe_param(
                 pieces.append(Piece(lo - first, hi - lo, c0, c1 - c0, local_row))
             label = name + (f"[{expert}]" if stacked else "")
             label += f"[rows {first}:{first + size}]" if len(blocks) > 1 else ""
-            layouts.append(MatrixLayout(label, size, cols, tuple(pieces), segments(size, cols), replicas))
+            layouts.append(MatrixLayout(label, size, cols, tuple(pieces), replicas))
     return layouts
 
 
 def describe_params(
-    params: Sequence[tuple[torch.Tensor, str, dict]],
-    ns_dtype: torch.dtype,
-    world_size: int = 1,
-    mesh: DeviceMesh | None = None,
+    params: Sequence[tuple[torch.Tensor, str, dict]], world_size: int = 1, mesh: DeviceMesh | None = None
 ) -> tuple[list[MatrixLayout], list[int]]:
     """The matrices of (parameter, name, group options) items, and the item each belongs to.
 
-    Each matrix's Newton-Schulz form follows from its group's ``ns_algorithm``, coefficients and
-    shape, and ``ns_dtype``. ``world_size`` is the number of ranks plain tensors are replicated
-    on (DDP); ``mesh`` the exchange mesh DTensors are described on (each parameter's own mesh
-    when None)."""
+    ``world_size`` is the number of ranks plain tensors are replicated on (DDP); ``mesh`` the
+    exchange mesh DTensors are described on (each parameter's own mesh when None)."""
     layouts, param_of = [], []
     for index, (param, name, group) in enumerate(params):
-        coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-        segments = partial(ns_segments, group["ns_algorithm"], coefficients, ns_dtype)  # (rows, cols) -> segments
-        for layout in describe_param(param, name, segments, group["flatten"], group["split_sizes"],
-                                     group["num_heads"], world_size, mesh):  # fmt: skip
+        for layout in describe_param(
+            param, name, group["flatten"], group["split_sizes"], group["num_heads"], world_size, mesh
+        ):
             layouts.append(layout)
             param_of.append(index)
     return layouts, param_of

@@ -116,7 +116,7 @@ NS_ALGORITHMS = ("standard", "gram", "auto")
 # Gram segments in 4-byte and wider dtypes end before an R update would grow R's rounding noise
 # (negative eigenvalues of a rank-deficient X X^T, amplified by about a^2 per update) past this
 # many times fp32's eps (scaled by the dtype's eps). Measured on momentum matrices of a cpu-demo
-# training run (scripts/ns_accuracy.py): fp32 errors within 2.3e-5 of float64 at five, six and
+# training run (benchmarks/ns_accuracy.py): fp32 errors within 2.3e-5 of float64 at five, six and
 # eight iterations, Keller and Polar Express (standard: 1.3e-5), against up to 1e-3 without
 # restarts.
 GRAM_NOISE_BUDGET = 420.0
@@ -135,7 +135,7 @@ def gram_segments(coefficients: Sequence[Coefficients], dtype: torch.dtype) -> t
     In 2-byte dtypes the Gram iteration amplifies R's rounding noise within a few updates, so
     only the first two and the last two iterations run as Gram pairs, the rest in standard form,
     and fewer than five iterations run all standard. Measured on the momentum matrices of a
-    cpu-demo training run (scripts/ns_accuracy.py): of every restart placement of five
+    cpu-demo training run (benchmarks/ns_accuracy.py): of every restart placement of five
     iterations, (2, 1, 2) is the cheapest whose bf16 error stays within 1.1x of standard
     Newton-Schulz's with Keller's and Polar Express coefficients (the equally cheap (2, 2, 1)
     reaches 1.4x, no restart 100x to 10^12x); the same rule stays within 1.1x at six and eight. Wider

@@ -1,7 +1,8 @@
 """The exchange plan: who orthogonalizes which matrix, and in which bucket.
 
 Pure Python: no collectives and no tensors. Every rank derives the identical plan from the same
-matrix layouts (see ``layouts``), so no rank has to ask another.
+matrix layouts (see ``layouts``) and Newton-Schulz costs (flops of the form each matrix runs, see
+``newton_schulz.segments_flops``), so no rank has to ask another.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Plan:
-    """Owners and buckets for a list of matrices over ``world_size`` ranks; ``param_of[j]`` is the
-    index of the parameter matrix j belongs to (a parameter may hold several matrices).
+    """Owners and buckets for a list of matrices over ``world_size`` ranks; ``costs[j]`` is matrix
+    j's Newton-Schulz flops and ``param_of[j]`` the index of the parameter it belongs to (a
+    parameter may hold several matrices).
 
     Forward exchange (gather): each sender of matrix j sends its piece to j's owner. Reverse
     exchange (scatter): the owner sends every rank that holds a piece of j that piece of the
@@ -35,6 +37,7 @@ class Plan:
     """
 
     matrices: tuple[MatrixLayout, ...]
+    costs: tuple[int, ...]
     owners: tuple[int, ...]
     buckets: tuple[Bucket, ...]
     world_size: int
@@ -50,14 +53,14 @@ class Plan:
 
     def signature(self) -> int:
         """A checksum of everything ranks must agree on to exchange (not the matrices' names)."""
-        shapes = [(m.rows, m.cols, m.ns_segments, m.pieces, m.replicas) for m in self.matrices]
-        return zlib.crc32(repr((shapes, self.owners, [b.matrices for b in self.buckets])).encode())
+        shapes = [(m.rows, m.cols, m.pieces, m.replicas) for m in self.matrices]
+        return zlib.crc32(repr((shapes, self.costs, self.owners, [b.matrices for b in self.buckets])).encode())
 
     def loads(self) -> list[int]:
         """NS flops assigned to each rank."""
         loads = [0] * self.world_size
-        for j, owner in enumerate(self.owners):
-            loads[owner] += self.matrices[j].cost
+        for cost, owner in zip(self.costs, self.owners):
+            loads[owner] += cost
         return loads
 
     def elements_moved(self, rank: int) -> int:
@@ -153,12 +156,14 @@ def assign_owners(
 
 def build_plan(
     matrices: Sequence[MatrixLayout],
+    costs: Sequence[int],
     world_size: int,
     bucket_bytes: int,
     element_size: int,
     param_of: Sequence[int] | None = None,
 ) -> Plan:
-    """Assign owners by NS cost over all matrices and cut them into buckets of bounded bytes.
+    """Assign owners by NS cost (``costs[j]``, matrix j's flops) over all matrices and cut them
+    into buckets of bounded bytes.
 
     A matrix that some ranks hold whole (a 1-row matrix, an expert of an expert-sharded stack,
     also when replicated) is owned by one of them: nothing is sent to its owner. Buckets follow
@@ -168,6 +173,8 @@ def build_plan(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if len(costs) != len(matrices):
+        raise ValueError(f"{len(costs)} costs for {len(matrices)} matrices")
     for m in matrices:
         if len(m.pieces) != world_size:
             raise ValueError(f"matrix {m.name!r} has pieces for {len(m.pieces)} ranks, not {world_size}")
@@ -179,7 +186,7 @@ def build_plan(
                     f"{held} elements, not {m.numel}"
                 )
     allowed = [m.full_holders if 0 < len(m.full_holders) < world_size else None for m in matrices]
-    owners, order = assign_owners([m.cost for m in matrices], world_size, allowed)
+    owners, order = assign_owners(costs, world_size, allowed)
     buckets: list[Bucket] = []
     current: list[int] = []
     current_bytes = 0
@@ -193,4 +200,4 @@ def build_plan(
     if current:
         buckets.append(Bucket(tuple(current)))
     param_of = tuple(param_of) if param_of is not None else tuple(range(len(matrices)))
-    return Plan(tuple(matrices), tuple(owners), tuple(buckets), world_size, param_of)
+    return Plan(tuple(matrices), tuple(costs), tuple(owners), tuple(buckets), world_size, param_of)

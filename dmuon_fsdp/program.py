@@ -1,29 +1,43 @@
-"""The step program: one plan's schedule bound to tensors, with every buffer and view made once.
+"""The step program and its run: one plan's schedule bound to tensors, executed.
 
-A program is built (``dmuon_fsdp.binding``) when the plan changes or the tensors it points into
-are replaced, never per step. A steady-state step then dispatches a fixed number of ops per
-param group, bucket and NS batch, whatever the number of parameters or ranks: momentum as
-foreach ops writing what each matrix orthogonalizes straight into the send buffers and local
-stacks; per bucket one foreach copy assembling received pieces into (B, s, l) stacks (tall
-matrices transposed), in-place Newton-Schulz on each stack, one foreach copy into the return
-buffer; one foreach add per step size. Runtime only: what moves where is ``schedule``'s, when
-each phase runs is the optimizer's ``step``.
+``dmuon_fsdp.build`` makes a program once per plan (every buffer and every view); ``run``
+executes a step with it, top to bottom, in these phases (the names ``StepStats`` and a profiler
+trace use):
+
+- ``momentum``: what each matrix orthogonalizes, written straight into send buffers and own
+  stacks (foreach ops), and this rank's check flags into the first exchange;
+- ``wait``: blocked on an all-to-all; the first one brings every rank's flags, read once into
+  the verdict (``dmuon_fsdp.checks``), before anything is committed;
+- ``commit``: momentum buffers and weight decay; ``adamw``: torch's functional AdamW;
+- per bucket, ``assemble`` (received pieces into (B, s, l) stacks), ``newton_schulz`` (in place
+  per stack) and ``return`` (results into the return buffer, the exchange back launched);
+- ``apply``: p -= lr * scale * O, one foreach add per step size.
+
+A bucket's work is two operations: ``launch`` starts its exchange to the owners, ``finish``
+waits for it, orthogonalizes and starts the exchange back. With ``overlap``, bucket k+1 travels
+while bucket k's Newton-Schulz runs. A steady-state step dispatches a fixed number of ops per
+param group, bucket and NS batch, whatever the number of parameters or ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from dmuon_fsdp import elementwise
+from dmuon_fsdp import checks, comm, elementwise
+from dmuon_fsdp.checks import StepKey, Verdict
 from dmuon_fsdp.layouts import local_shard
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
 from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.schedule import RankSchedule
+from dmuon_fsdp.stats import StepStats
+
+if TYPE_CHECKING:
+    from dmuon_fsdp.validation import Options
 
 
 @dataclass(frozen=True)
@@ -49,16 +63,6 @@ class Copies:
 
 
 @dataclass(frozen=True)
-class Exchange:
-    """The buffers and split sizes (process-group order) of one all-to-all."""
-
-    send: Tensor
-    receive: Tensor
-    send_counts: list[int]
-    receive_counts: list[int]
-
-
-@dataclass(frozen=True)
 class Batch:
     """Matrices of one shape and NS settings (coefficients, eps, form), stacked (B, s, l) and
     orthogonalized in place."""
@@ -75,33 +79,38 @@ class Batch:
 
 @dataclass(frozen=True)
 class Updates:
-    """p -= lr * scale * O on these pieces, lr read from param group ``group`` at each step."""
+    """``params -= lr * scale * directions`` on views of local shards, ``lr`` read from param
+    group ``group`` at each step; ``directions`` are views of orthogonalized results."""
 
     group: int
     scale: float
-    targets: list[Tensor]
-    updates: list[Tensor]
+    params: list[Tensor]
+    directions: list[Tensor]
+
+    def apply(self, groups: Sequence[dict[str, Any]]) -> None:
+        torch._foreach_add_(self.params, self.directions, alpha=-float(groups[self.group]["lr"]) * self.scale)
 
 
 @dataclass(frozen=True)
 class BucketProgram:
-    gather: Exchange | None
-    assemble: Copies
+    to_owners: comm.Exchange | None
+    assemble: Copies  # received pieces (and own ones, when staged) into the stacks
     batches: tuple[Batch, ...]
-    results: Copies  # stacks into the return buffer (and the local staging)
-    scatter: Exchange | None
+    collect: Copies  # results into the return buffer (and the local staging)
+    from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
 
 
 @dataclass(frozen=True)
-class MomentumInput:
-    """Where what some matrices orthogonalize is written: their send-buffer or stack views
-    themselves (shaped like the local shards), or scratch copies that ``pack`` spreads."""
+class NSInputs:
+    """Where some matrices' Newton-Schulz inputs are written: their send-buffer or stack views
+    themselves (shaped like the local shards), or scratch copies of the shards that
+    ``StepProgram.spread`` copies into place. ``grads`` index the step's local gradients."""
 
     grads: tuple[int, ...]
-    buffers: list[Tensor]
-    dst: list[Tensor]
-    in_place: bool  # dst has the buffers' dtype: compute in it
+    buffers: list[Tensor]  # momentum buffers, read
+    destinations: list[Tensor]
+    in_place: bool  # destinations have the buffers' dtype: compute in them
 
 
 @dataclass(frozen=True)
@@ -112,7 +121,7 @@ class MuonLists:
     grads: tuple[int, ...]
     params: list[Tensor]
     buffers: list[Tensor]
-    inputs: tuple[MomentumInput, ...]
+    inputs: tuple[NSInputs, ...]
 
 
 @dataclass(frozen=True)
@@ -139,11 +148,9 @@ class Flags:
 @dataclass(frozen=True)
 class StepProgram:
     """Everything a step of one plan needs on this rank. ``entries`` are the parameters with a
-    gradient (in optimizer order); ``key`` and ``digest`` identify the step shape it was built
-    for (which parameters have gradients, the Muon groups' structural options)."""
+    gradient (in optimizer order); ``key`` is the step it was built for."""
 
-    key: tuple
-    digest: int
+    key: StepKey
     plan: Plan
     schedule: RankSchedule
     entries: tuple[Entry, ...]
@@ -154,14 +161,13 @@ class StepProgram:
     one: Tensor  # 1.0, the check's scale
     muon: tuple[MuonLists, ...]
     adamw: tuple[AdamWLists, ...]
-    pack: Copies
+    spread: Copies  # scratch copies of NS inputs into their destinations
     buckets: tuple[BucketProgram, ...]
     flags: Flags | None
     all_updates: tuple[Updates, ...]  # every bucket's, merged by step size (applied once)
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields
 
-
-    def local_grads(self, grads: list[Tensor | None]) -> list[Tensor] | None:
+    def local_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor] | None:
         """This rank's gradient shards in entry order, or None when one is sparse or shaped
         unlike its parameter (``grads`` holds every optimizer parameter's ``.grad``)."""
         local = [local_shard(grads[e.position]) for e in self.entries]
@@ -176,29 +182,120 @@ class StepProgram:
             return True
         return any(state[p][key] is not bound for p, key, bound in self.state_slots)
 
-    def write_flags(self, values: Tensor | None, nonfinite: Tensor | None) -> None:
-        """Check flags into every segment of the first exchange: all of them (``values``, one per
-        flag) and/or the non-finite slot (a 0-d ``nonfinite_indicator``). Device ops only."""
-        send = self.buckets[0].gather.send
-        if values is not None:
-            send.index_put_((self.flags.send,), values)
-        if nonfinite is not None:
-            send.index_put_((self.flags.nonfinite,), nonfinite.to(send.dtype))
+    def run(
+        self,
+        grads: Sequence[Tensor | None],
+        groups: Sequence[dict[str, Any]],
+        key: StepKey,
+        options: Options,
+        stats: StepStats,
+        bound: bool = True,
+    ) -> Verdict:
+        """One step: every phase in order; returns the verdict all ranks share. Nothing is
+        committed unless it is ``GO``. ``bound`` False: the parameters or their state changed
+        layout since the program was bound (the step reports it, on every rank)."""
+        local = self.local_grads(grads) if bound and key == self.key else None
+        with stats.phase("momentum"):
+            if local is not None:
+                self._ns_inputs(local, groups)
+            indicator = self._write_flags(key, local, options.nonfinite)
+        in_flight = {0: self.launch(0)}
+        if options.overlap and len(self.buckets) > 1:
+            in_flight[1] = self.launch(1)
+        verdict = self._verdict(in_flight[0], local, indicator, options, stats)
+        if verdict is not Verdict.GO:
+            for handle in in_flight.values():
+                _wait(handle)
+            stats.seconds.clear()
+            stats.skipped = verdict is Verdict.SKIP
+            return verdict
+        with stats.phase("commit"):
+            self._commit(local, groups)
+        with stats.phase("adamw"):
+            self._adamw(local, groups)
+        returns = []
+        for k, bucket in enumerate(self.buckets):
+            ahead = k + 1 if options.overlap else k  # with overlap, bucket k+1 travels during NS of k
+            if ahead < len(self.buckets) and ahead not in in_flight:
+                in_flight[ahead] = self.launch(ahead)
+            returns.append(self.finish(k, in_flight.pop(k), stats))
+            if not options.overlap:
+                _apply(bucket.updates, [returns.pop()], groups, stats)
+        if options.overlap:
+            _apply(self.all_updates, returns, groups, stats)
+        stats.count(**self.counts)
+        return verdict
 
-    def flag_summary(self, receive: Tensor) -> list[float]:
-        """The element-wise maximum of every rank's flags: the step's one device-to-host read."""
-        return receive[self.flags.receive].amax(0).tolist()
+    def launch(self, k: int) -> comm.Handle | None:
+        """Start bucket ``k``'s exchange to its owners (None: nothing crosses)."""
+        exchange = self.buckets[k].to_owners
+        return comm.launch(exchange) if exchange is not None else None
 
-    def momentum(self, grads: list[Tensor], groups: list[dict[str, Any]]) -> None:
-        """What each matrix orthogonalizes, into send buffers and local stacks; state untouched."""
+    def finish(self, k: int, arriving: comm.Handle | None, stats: StepStats) -> comm.Handle | None:
+        """Wait for bucket ``k``'s pieces, orthogonalize the matrices owned here and start the
+        exchange back from the owners; returns its handle."""
+        bucket = self.buckets[k]
+        with stats.phase("wait"):
+            _wait(arriving)
+        with stats.phase("assemble"):
+            bucket.assemble.run()
+        with stats.phase("newton_schulz"):
+            for batch in bucket.batches:
+                batch.orthogonalize()
+                stats.ns_matrices += batch.stack.shape[0]
+        with stats.phase("return"):
+            bucket.collect.run()
+            return comm.launch(bucket.from_owners) if bucket.from_owners is not None else None
+
+    def _ns_inputs(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
+        """What each matrix orthogonalizes, into send buffers and own stacks; the momentum
+        buffers are only read (``_commit`` updates them after the verdict)."""
         for lists in self.muon:
-            weight = elementwise.input_weight(groups[lists.group]["momentum"], groups[lists.group]["nesterov"])
-            for source in lists.inputs:
-                mine = [grads[i] for i in source.grads]
-                elementwise.muon_input(source.dst, source.buffers, mine, weight, source.in_place)
-        self.pack.run()
+            group = groups[lists.group]
+            weight = elementwise.input_weight(group["momentum"], group["nesterov"])
+            for inputs in lists.inputs:
+                mine = [grads[i] for i in inputs.grads]
+                elementwise.muon_input(inputs.destinations, inputs.buffers, mine, weight, inputs.in_place)
+        self.spread.run()
 
-    def commit(self, grads: list[Tensor], groups: list[dict[str, Any]]) -> None:
+    def _write_flags(self, key: StepKey, local: list[Tensor] | None, nonfinite: str) -> Tensor | None:
+        """This rank's check flags into every segment of the first exchange (device ops only):
+        the bound values, or what differs here (invalid gradients, another key). Returns the
+        non-finite indicator when that check is on."""
+        indicator = None
+        if nonfinite != "ignore" and local is not None:
+            indicator = checks.nonfinite_indicator(local, self.found, self.one)
+        if self.flags is not None:
+            send, values = self.buckets[0].to_owners.send, self.flags.values
+            if local is None or key != self.key:
+                found = checks.encode(key.digest, invalid=key == self.key)
+                values = torch.tensor(found, dtype=values.dtype, device=values.device)
+            send.index_put_((self.flags.send,), values)
+            if indicator is not None:
+                send.index_put_((self.flags.nonfinite,), indicator.to(send.dtype))
+        return indicator
+
+    def _verdict(
+        self,
+        first: comm.Handle | None,
+        local: list[Tensor] | None,
+        indicator: Tensor | None,
+        options: Options,
+        stats: StepStats,
+    ) -> Verdict:
+        """The verdict, the same on every rank, from at most one device-to-host read: the
+        maximum of every rank's flags (from the first exchange) or, without flags, this rank's
+        own findings."""
+        if self.flags is not None:
+            with stats.phase("wait"):
+                summary = _wait(first)[self.flags.receive].amax(0).tolist()
+        else:
+            summary = checks.encode(self.key.digest, invalid=local is None)
+            if indicator is not None:
+                summary[checks.NONFINITE_SLOT] = indicator.item()
+        return checks.decide(summary, self.key.digest, options.nonfinite, options.check_grads)
+
+    def _commit(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
         """Momentum buffers and decoupled weight decay: the state changes of the Muon step."""
         for lists in self.muon:
             group = groups[lists.group]
@@ -206,13 +303,27 @@ class StepProgram:
             if group["weight_decay"]:
                 torch._foreach_mul_(lists.params, 1.0 - float(group["lr"]) * group["weight_decay"])
 
-    def adamw_step(self, grads: list[Tensor], groups: list[dict[str, Any]]) -> None:
+    def _adamw(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
         for lists in self.adamw:
             mine = [grads[i] for i in lists.grads]
-            elementwise.adamw(lists.params, mine, lists.exp_avgs, lists.exp_avg_sqs, lists.steps,
-                              groups[lists.group], lists.kernel)  # fmt: skip
+            elementwise.adamw(
+                lists.params, mine, lists.exp_avgs, lists.exp_avg_sqs, lists.steps, groups[lists.group], lists.kernel
+            )
 
 
-def apply(updates: Sequence[Updates], groups: list[dict[str, Any]]) -> None:
-    for u in updates:
-        torch._foreach_add_(u.targets, u.updates, alpha=-float(groups[u.group]["lr"]) * u.scale)
+def _wait(handle: comm.Handle | None) -> Tensor | None:
+    return handle.wait() if handle is not None else None
+
+
+def _apply(
+    updates: Sequence[Updates],
+    returns: Sequence[comm.Handle | None],
+    groups: Sequence[dict[str, Any]],
+    stats: StepStats,
+) -> None:
+    with stats.phase("wait"):
+        for handle in returns:
+            _wait(handle)
+    with stats.phase("apply"):
+        for u in updates:
+            u.apply(groups)

@@ -17,7 +17,7 @@ heads numbers, so every copy of a row gets the same factor.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,13 @@ class AttentionWeights:
     kv_heads: int | None = None
     q_rows: tuple[int, int] | None = None
     k_rows: tuple[int, int] | None = None
+
+
+def _namer(optimizer: torch.optim.Optimizer, known: set[Tensor]) -> Callable[[Tensor, str], str]:
+    """(parameter, fallback) -> the name the optimizer gives it (DMuonFSDP's ``param_name``),
+    or the fallback for other optimizers and for tensors it does not hold."""
+    param_name = getattr(optimizer, "param_name", None)
+    return lambda p, fallback: param_name(p) if param_name is not None and p in known else fallback
 
 
 def _first_row(param: Tensor, name: str) -> int:
@@ -75,21 +82,24 @@ class QKClip:
             raise ValueError(f"tau must be a finite number > 0 (or None: only reduce the logits), got {tau!r}")
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-        names = getattr(optimizer, "_names", {})
         known = {p for group in optimizer.param_groups for p in group["params"]}
+        names = _namer(optimizer, known)
         self.tau, self.alpha, self.layers, self.group = tau, float(alpha), tuple(layers), group
         self._ranges = [self._check(i, layer, known, names) for i, layer in enumerate(self.layers)]
-        self._first_rows = {p: _first_row(p, names.get(p, f"shape {tuple(p.shape)}"))
-                            for layer in self.layers for p in (layer.q, layer.k)}  # fmt: skip
+        self._first_rows = {
+            p: _first_row(p, names(p, f"shape {tuple(p.shape)}")) for layer in self.layers for p in (layer.q, layer.k)
+        }
         self.width = max((layer.heads for layer in self.layers), default=0)
 
     @staticmethod
-    def _check(i: int, layer: AttentionWeights, known: set, names: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+    def _check(
+        i: int, layer: AttentionWeights, known: set, names: Callable[[Tensor, str], str]
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
         """The (q rows, k rows) ranges of layer ``i``, after checking it."""
         kv_heads = layer.kv_heads or layer.heads
         ranges = []
         for role, param, rows, heads in (("q", layer.q, layer.q_rows, layer.heads), ("k", layer.k, layer.k_rows, kv_heads)):
-            name = names.get(param, f"layers[{i}].{role}")
+            name = names(param, f"layers[{i}].{role}")
             if param not in known:
                 raise ValueError(f"layers[{i}].{role} ({name}, shape {tuple(param.shape)}) is not a parameter of the optimizer")
             if param.ndim != 2:

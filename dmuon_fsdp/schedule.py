@@ -1,13 +1,14 @@
 """The wire format of a plan seen from one rank: what every all-to-all carries, in buffer order.
 
 Pure: no tensors and no collectives; the one place the wire format is worked out. Per bucket,
-the *gather* brings each owner one copy of every piece of the matrices it owns (from the owner's
-replica), and the *scatter* brings every holder, replicas included, its piece of each
-orthogonalized matrix. Each is one ``all_to_all_single`` whose buffer holds one segment per peer
-in process-group order; a segment is ``flags`` check elements (in the step's first exchange
-only, own segment included) followed by the pieces in bucket order. Pieces that stay on this
-rank never enter a buffer (``*_local``). Split sizes are derived from these lists, and the lists
-are checked when they are built (``check``).
+the exchange *to owners* brings each owner one copy of every piece of the matrices it owns (from
+the owner's replica), and the exchange *from owners* brings every holder, replicas included, its
+piece of each orthogonalized matrix. Each is one ``all_to_all_single`` whose buffer holds one
+segment per peer in process-group order; a segment is ``flags`` check elements (in the step's
+first exchange only, own segment included; see ``dmuon_fsdp.checks``) followed by the pieces in
+bucket order. Pieces that stay on this rank never enter a buffer (``own_pieces``,
+``own_results``). Split sizes are derived from these lists, and the lists are checked when they
+are built (``check``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from dataclasses import dataclass
 
 from dmuon_fsdp.layouts import Piece
 from dmuon_fsdp.planner import Bucket, Plan
-
-FLAG_ELEMENTS = 10  # check elements per peer in the first exchange (see grad_checks)
 
 
 @dataclass(frozen=True)
@@ -56,16 +55,16 @@ class BucketSchedule:
     None when nothing crosses it anywhere in the job and it carries no flags (no collective)."""
 
     owned: tuple[int, ...]
-    gather: Wire | None
-    gather_local: tuple[Transfer, ...]  # own pieces of own matrices: straight into the stack
-    scatter: Wire | None
-    scatter_local: tuple[Transfer, ...]  # own pieces of own results: applied from the stack
+    to_owners: Wire | None
+    own_pieces: tuple[Transfer, ...]  # own pieces of own matrices: straight into the stack
+    from_owners: Wire | None
+    own_results: tuple[Transfer, ...]  # own pieces of own results: applied from the stack
 
 
 @dataclass(frozen=True)
 class RankSchedule:
     """Every exchange of a plan seen from plan rank ``rank``; ``peers[g]`` is the plan rank of
-    process-group rank g. The first bucket's gather carries the step's check flags when the job
+    process-group rank g. The first bucket's exchange to owners carries the step's check flags when the job
     has more than one rank (a plan without matrices gets one empty bucket for them)."""
 
     rank: int
@@ -76,14 +75,14 @@ class RankSchedule:
         """Matrix elements sent to (or received from) other ranks per step, flags excluded."""
         total = 0
         for bucket in self.buckets:
-            for wire in (bucket.gather, bucket.scatter):
+            for wire in (bucket.to_owners, bucket.from_owners):
                 if wire is not None:
                     segments = wire.send if sent else wire.receive
                     total += sum(t.piece.numel for segment in segments for t in segment)
         return total
 
 
-def _gather_sends(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
+def _sends_to_owners(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
     """Owner -> this rank's pieces it sends there (one copy: senders are the owner's replica)."""
     out: dict[int, list[Transfer]] = {}
     for j in bucket.matrices:
@@ -92,7 +91,7 @@ def _gather_sends(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfe
     return out
 
 
-def _gather_receives(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
+def _receives_as_owner(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
     """Sender -> the pieces of this rank's matrices it sends here."""
     out: dict[int, list[Transfer]] = {}
     for j in plan.owned_by(bucket, me):
@@ -101,7 +100,7 @@ def _gather_receives(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Tran
     return out
 
 
-def _scatter_sends(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
+def _returns_as_owner(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
     """Holder -> its pieces of the results this rank owns."""
     out: dict[int, list[Transfer]] = {}
     for j in plan.owned_by(bucket, me):
@@ -111,7 +110,7 @@ def _scatter_sends(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transf
     return out
 
 
-def _scatter_receives(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
+def _returns_from_owners(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
     """Owner -> this rank's pieces of the results it owns."""
     out: dict[int, list[Transfer]] = {}
     for j in bucket.matrices:
@@ -121,13 +120,13 @@ def _scatter_receives(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Tra
     return out
 
 
-def _moves(plan: Plan, bucket: Bucket, gather: bool) -> bool:
+def _moves(plan: Plan, bucket: Bucket, to_owners: bool) -> bool:
     """Whether any piece crosses between two ranks in this exchange, anywhere in the job."""
     for j in bucket.matrices:
         owner = plan.owners[j]
-        if gather and plan.senders[j] - {owner}:
+        if to_owners and plan.senders[j] - {owner}:
             return True
-        if not gather and any(piece.numel for r, piece in enumerate(plan.matrices[j].pieces) if r != owner):
+        if not to_owners and any(piece.numel for r, piece in enumerate(plan.matrices[j].pieces) if r != owner):
             return True
     return False
 
@@ -140,8 +139,9 @@ def _wire(sends: dict, receives: dict, peers: Sequence[int], me: int, flags: int
     return Wire(send, receive, flags)
 
 
-def rank_schedule(plan: Plan, rank: int, peers: Sequence[int], flags: int = FLAG_ELEMENTS) -> RankSchedule:
-    """``rank``'s schedule for ``plan`` (see ``RankSchedule``), checked before it is returned."""
+def rank_schedule(plan: Plan, rank: int, peers: Sequence[int], flags: int = 0) -> RankSchedule:
+    """``rank``'s schedule for ``plan`` (see ``RankSchedule``), with ``flags`` check elements per
+    segment of the first exchange, checked before it is returned."""
     peers = tuple(peers)
     if sorted(peers) != list(range(plan.world_size)) or not 0 <= rank < plan.world_size:
         raise ValueError(f"peers {peers} and rank {rank} do not number the plan's {plan.world_size} ranks")
@@ -149,17 +149,19 @@ def rank_schedule(plan: Plan, rank: int, peers: Sequence[int], flags: int = FLAG
     buckets = []
     for k, bucket in enumerate(plan.buckets or (Bucket(()),)):
         first_flags = flags if k == 0 and multi else 0
-        gather_out, gather_in = _gather_sends(plan, bucket, rank), _gather_receives(plan, bucket, rank)
-        scatter_out, scatter_in = _scatter_sends(plan, bucket, rank), _scatter_receives(plan, bucket, rank)
-        if gather_out.get(rank, []) != gather_in.get(rank, []) or scatter_out.get(rank, []) != scatter_in.get(rank, []):
+        sends, receives = _sends_to_owners(plan, bucket, rank), _receives_as_owner(plan, bucket, rank)
+        returns, returned = _returns_as_owner(plan, bucket, rank), _returns_from_owners(plan, bucket, rank)
+        if sends.get(rank, []) != receives.get(rank, []) or returns.get(rank, []) != returned.get(rank, []):
             raise RuntimeError(f"exchange schedule: rank {rank}'s pieces to itself disagree in bucket {k}")
-        buckets.append(BucketSchedule(
-            owned=tuple(plan.owned_by(bucket, rank)),
-            gather=_wire(gather_out, gather_in, peers, rank, first_flags, _moves(plan, bucket, True)),
-            gather_local=tuple(gather_in.get(rank, ())),
-            scatter=_wire(scatter_out, scatter_in, peers, rank, 0, _moves(plan, bucket, False)),
-            scatter_local=tuple(scatter_in.get(rank, ())),
-        ))  # fmt: skip
+        buckets.append(
+            BucketSchedule(
+                owned=tuple(plan.owned_by(bucket, rank)),
+                to_owners=_wire(sends, receives, peers, rank, first_flags, _moves(plan, bucket, True)),
+                own_pieces=tuple(receives.get(rank, ())),
+                from_owners=_wire(returns, returned, peers, rank, 0, _moves(plan, bucket, False)),
+                own_results=tuple(returned.get(rank, ())),
+            )
+        )
     schedule = RankSchedule(rank, peers, tuple(buckets))
     check(plan, schedule)
     return schedule
@@ -180,8 +182,8 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
     held: dict[int, int] = {}
     for k, bucket in enumerate(schedule.buckets):
         covered = {j: 0 for j in bucket.owned}
-        gather_in = bucket.gather.receive if bucket.gather else ()
-        for t in [t for segment in gather_in for t in segment] + list(bucket.gather_local):
+        arriving = bucket.to_owners.receive if bucket.to_owners else ()
+        for t in [t for segment in arriving for t in segment] + list(bucket.own_pieces):
             m, p = plan.matrices[t.matrix], t.piece
             if t.matrix not in covered or p.row + p.rows > m.rows or p.col + p.cols > m.cols:
                 fail(f"bucket {k} receives {p} of matrix {t.matrix}, which it does not own or which lies outside it")
@@ -189,12 +191,12 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
         for j, area in covered.items():
             if area != plan.matrices[j].numel:
                 fail(f"bucket {k}: matrix {j} is covered by {area} elements, not {plan.matrices[j].numel}")
-        scatter_in = bucket.scatter.receive if bucket.scatter else ()
-        for t in [t for segment in scatter_in for t in segment] + list(bucket.scatter_local):
+        returned = bucket.from_owners.receive if bucket.from_owners else ()
+        for t in [t for segment in returned for t in segment] + list(bucket.own_results):
             if t.piece != plan.matrices[t.matrix].pieces[me]:
                 fail(f"bucket {k} returns {t.piece} of matrix {t.matrix}, not this rank's piece")
             held[t.matrix] = held.get(t.matrix, 0) + 1
-        for wire in (bucket.gather, bucket.scatter):
+        for wire in (bucket.to_owners, bucket.from_owners):
             if wire is not None and len(wire.send) != len(schedule.peers):
                 fail(f"bucket {k} has {len(wire.send)} segments for {len(schedule.peers)} peers")
     expected = {j for j, m in enumerate(plan.matrices) if m.pieces[me].numel}

@@ -11,34 +11,40 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd.profiler as autograd_profiler
 
-PHASES = ("momentum", "adamw", "pack", "wait", "newton_schulz", "apply")
+# The phases of a step, in order (``dmuon_fsdp.program`` says what each does); ``wait`` recurs.
+PHASES = ("momentum", "wait", "commit", "adamw", "assemble", "newton_schulz", "return", "apply")
 
 
 @dataclass
 class StepStats:
     """What one rank did in one step.
 
-    ``skipped`` is True when ``nonfinite="skip"`` skipped the step. Always counted, from the step
-    program: ``ns_flops`` (Newton-Schulz flops this rank ran), ``bytes_sent`` and
+    ``skipped`` is True when ``nonfinite="skip"`` skipped the step (nothing else is counted
+    then). Counted for every step that ran: ``ns_matrices`` (matrices this rank orthogonalized,
+    counted as each batch runs), ``ns_flops`` (their Newton-Schulz flops), ``bytes_sent`` and
     ``bytes_received`` (matrix pieces to and from other ranks, both exchanges; the check flags
     riding in the first exchange, ``flag_bytes`` each way, are not included) and
     ``collectives`` (all-to-alls launched). With ``timed=True``, ``seconds[phase]`` holds the
-    wall time of each phase: ``momentum`` (momentum into the send buffers and local stacks,
-    then its commit and weight decay), ``adamw``, ``pack`` (assembling received pieces into
-    stacks, results into return buffers), ``wait`` (blocked on all-to-all), ``newton_schulz``
-    and ``apply`` (the updates). On accelerators, timing synchronizes the device at every phase
-    boundary, which removes the overlap of exchange and NS: time whole steps with timing off.
+    wall time of each of ``PHASES`` (``wait``: blocked on all-to-all, summed over the step). On
+    accelerators, timing synchronizes the device at every phase boundary, which removes the
+    overlap of exchange and NS: time whole steps with timing off.
     """
 
     device: torch.device
     timed: bool = False
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    ns_matrices: int = 0
     ns_flops: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     flag_bytes: int = 0
     collectives: int = 0
     skipped: bool = False
+
+    def count(self, ns_flops: int, bytes_sent: int, bytes_received: int, flag_bytes: int, collectives: int) -> None:
+        """What the step program does every step (``StepProgram.counts``)."""
+        self.ns_flops, self.bytes_sent, self.bytes_received = ns_flops, bytes_sent, bytes_received
+        self.flag_bytes, self.collectives = flag_bytes, collectives
 
     def _sync(self) -> None:
         if self.device.type != "cpu":

@@ -3,22 +3,59 @@
 HF Accelerate (and the transformers Trainer through it) builds the optimizer on the unsharded
 model, calls ``fully_shard``, then puts each sharded DTensor where its unsharded parameter was
 in ``param_groups``. Torch's own optimizers survive that because their state is lazy; ours
-exists from construction, keyed by the tensors it was given. ``replaced`` tells whether that
-happened (cheap: the optimizer asks before every step), ``check`` that the replacement keeps
-order and shapes, and ``placed_like`` moves a state tensor exactly onto the new parameter's
-layout.
+exists from construction, keyed by the tensors it was given. ``follow`` notices a replacement
+(cheaply: the optimizer asks before every step), checks that it keeps order and shapes, and
+moves names and state onto the new tensors (``placed_like``: exactly, onto the new layout).
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dmuon_fsdp import validation
+from dmuon_fsdp.elementwise import initial_state
 from dmuon_fsdp.layouts import local_shard
+
+
+@dataclass(frozen=True)
+class Followed:
+    """The optimizer's bookkeeping after a replacement: (group index, parameter) in optimizer
+    order, every parameter's name, and the Muon parameters' meshes (``validation.check_new_groups``)."""
+
+    indexed: list[tuple[int, Tensor]]
+    names: dict[Tensor, str]
+    meshes: dict[Any, str]
+
+
+def follow(
+    groups: list[dict[str, Any]], known: list[tuple[int, Tensor]], names: dict[Tensor, str], state: Any, written: bool
+) -> Followed | None:
+    """Follow tensors replaced in ``groups`` since the optimizer knew them as ``known``: None
+    when none was; otherwise everything is checked first (order, shapes, meshes; errors name the
+    parameter), then each replaced parameter's ``state`` moves to the new tensor, exactly when
+    ``written`` (a step or a load has written state), else made anew."""
+    current = group_params(groups)
+    if not replaced(current, [p for _, p in known]):
+        return None
+    now = indexed(groups)
+    check(known, now, names, written)
+    names = {new: names[old] for (_, old), new in zip(known, current)}
+    meshes = validation.check_new_groups(groups, names, {}, {})
+    states = [state.pop(old) for _, old in known]
+    for (g, old), new, saved in zip(known, current, states):
+        if new is old:
+            state[new] = saved
+        elif written:
+            state[new] = {key: value.to(new.device) if key == "step" else placed_like(value, new) for key, value in saved.items()}
+        else:
+            state[new] = initial_state(new, groups[g]["use_muon"])
+    return Followed(now, names, meshes)
 
 
 def group_params(groups: list[dict[str, Any]]) -> list[Tensor]:

@@ -1,8 +1,12 @@
-"""Checks of param groups, hyper-parameters and saved state: clear errors before anything runs."""
+"""Checks of options, param groups, hyper-parameters and saved state: clear errors before
+anything runs. Also the record of the optimizer-wide options and the attributes that expose
+them (``Options``, ``Option``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,10 +14,61 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
 from dmuon_fsdp import comm
-from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
+from dmuon_fsdp.checks import NONFINITE_POLICIES
 from dmuon_fsdp.layouts import describe_params, mesh_dims_in
+from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Options:
+    """DMuonFSDP's optimizer-wide options, checked when made (see the README's argument table)."""
+
+    ns_dtype: torch.dtype | None = None
+    comm_dtype: torch.dtype | None = None
+    bucket_bytes: int = 128 * 2**20
+    overlap: bool = True
+    time_phases: bool = False
+    nonfinite: str = "raise"
+    check_grads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ns_dtype is not None and not (isinstance(self.ns_dtype, torch.dtype) and self.ns_dtype.is_floating_point):
+            raise ValueError(f"ns_dtype must be a floating-point torch.dtype or None, got {self.ns_dtype!r}")
+        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {COMM_DTYPES} or None, got {self.comm_dtype}")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
+        for name in ("overlap", "time_phases", "check_grads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+
+OPTIMIZER_WIDE = tuple(f.name for f in dataclasses.fields(Options))
+
+
+class Option:
+    """An optimizer-wide option as an attribute of the optimizer (its ``_options`` record).
+    Assignment checks the value as construction does; ``settable=False`` options shape the
+    step program's buffers and are fixed at construction."""
+
+    def __init__(self, settable: bool = True) -> None:
+        self.settable = settable
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, optimizer: Any, owner: type | None = None) -> Any:
+        return self if optimizer is None else getattr(optimizer._options, self.name)
+
+    def __set__(self, optimizer: Any, value: Any) -> None:
+        if not self.settable:
+            raise AttributeError(f"{self.name} is fixed at construction: build a new optimizer to change it")
+        optimizer._options = dataclasses.replace(optimizer._options, **{self.name: value})
 
 
 def _non_negative(group: dict[str, Any], *keys: str) -> None:
@@ -21,9 +76,6 @@ def _non_negative(group: dict[str, Any], *keys: str) -> None:
         value = float(group[key])
         if not (math.isfinite(value) and value >= 0.0):
             raise ValueError(f"{key} must be a finite number >= 0, got {group[key]!r}")
-
-
-OPTIMIZER_WIDE = ("ns_dtype", "comm_dtype", "bucket_bytes", "overlap", "time_phases", "nonfinite", "check_grads")
 
 
 def split_group(
@@ -116,6 +168,21 @@ def check_saved_state(name: str, param: Tensor, expected: dict[str, Any], saved:
             raise ValueError(f"{name}: saved {key} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
 
 
+def check_state_dict(state_dict: dict[str, Any], groups: list[dict[str, Any]], names: dict, state: Any) -> None:
+    """A state dict to load must match the optimizer group by group and parameter by parameter."""
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
+    for index, (saved, group) in enumerate(zip(saved_groups, groups)):
+        if len(saved["params"]) != len(group["params"]) or saved.get("use_muon") != group["use_muon"]:
+            raise ValueError(
+                f"param group {index}: state dict has {len(saved['params'])} parameters (use_muon="
+                f"{saved.get('use_muon')}), this optimizer {len(group['params'])} (use_muon={group['use_muon']})"
+            )
+        for key, p in zip(saved["params"], group["params"]):
+            check_saved_state(names[p], p, state[p], saved_state.get(key, {}))
+
+
 def check_new_groups(
     new_groups: list[dict[str, Any]], names: dict[Tensor, str], defaults: dict[str, Any], meshes: dict[Any, str]
 ) -> dict[Any, str]:
@@ -143,8 +210,7 @@ def check_new_groups(
                     raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
             if not new["use_muon"]:
                 continue
-            # raises for unsupported layouts (the NS dtype only sets each matrix's NS form)
-            describe_params([(p, name, merged)], torch.float32, comm.default_world_size())
+            describe_params([(p, name, merged)], comm.default_world_size())  # raises for unsupported layouts
             meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
     exchange_mesh(meshes)
     return meshes
@@ -166,3 +232,11 @@ def exchange_mesh(meshes: dict[Any, str]) -> Any:
                 f"on {mesh} but {meshes[widest]} is on {widest}"
             )
     return widest
+
+
+def site_mesh(meshes: dict[Any, str], params: list[Tensor]) -> Any:
+    """The mesh a step's exchanges and checks run over: the exchange mesh, or without Muon
+    parameters the first DTensor's mesh (None: plain tensors, the default group)."""
+    if meshes:
+        return exchange_mesh(meshes)
+    return next((p.device_mesh for p in params if isinstance(p, DTensor)), None)

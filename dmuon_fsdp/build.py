@@ -1,0 +1,438 @@
+"""Building a step program: from the parameters to every buffer and view a step needs.
+
+``build_program`` runs the pipeline for a ``StepKey``: layouts (every rank's piece of each Muon
+matrix) -> the Newton-Schulz form and cost of each matrix -> plan (owners, buckets) -> plan
+agreement over the ranks (one ``all_reduce``, with a check on) -> this rank's schedule -> buffers
+and views (``_Binder``). ``ProgramCache`` keeps the program and decides, from the key and the
+tensors, whether a step needs a new one, the same one bound to new tensors, or the one it has.
+
+Buffers: per bucket a send and a receive buffer for each exchange (``comm_dtype``, laid out as
+the schedule says), a (B, s, l) stack per batch of owned matrices of one shape, NS settings and
+NS form (``ns_dtype``; tall matrices stored transposed, so they batch with wide ones of the same
+sides), and one NS workspace shared by all stacks. Own pieces never enter an exchange buffer;
+when ``comm_dtype`` differs from ``ns_dtype`` they pass through a local ``comm_dtype`` staging
+buffer instead, so that every rank's copy of a result is rounded alike (replicas stay equal).
+Views: what a parameter's matrices orthogonalize is written straight into its destination (a
+send-buffer segment or a stack region, viewed in the local shard's shape) when the local shard
+is a single piece sent whole; otherwise into a scratch copy of the shard, spread by one foreach
+copy. Buffers live as long as the program and are reused every step: on CUDA, steps must run
+on one stream (or be synchronized when it changes), as the exchanges are ordered on it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+from torch import Tensor
+
+from dmuon_fsdp import checks, comm, elementwise
+from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
+from dmuon_fsdp.layouts import MatrixLayout, Piece, describe_params, local_shard
+from dmuon_fsdp.newton_schulz import Coefficients, Workspace, ns_segments, resolve_coefficients, segments_flops
+from dmuon_fsdp.planner import Plan, build_plan
+from dmuon_fsdp.program import (
+    AdamWLists,
+    Batch,
+    BucketProgram,
+    Copies,
+    Entry,
+    Flags,
+    MuonLists,
+    NSInputs,
+    StepProgram,
+    Updates,
+)
+from dmuon_fsdp.schedule import BucketSchedule, RankSchedule, Transfer, Wire, rank_schedule
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a program is built with besides the parameters, resolved by the optimizer."""
+
+    site: comm.ExchangeSite
+    device: torch.device
+    ns_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    bucket_bytes: int
+    check_grads: bool
+    nonfinite: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The program for a step; ``bound`` False when a parameter or its state changed layout
+    since it was bound (the step then reports that on every rank instead of running)."""
+
+    program: StepProgram
+    bound: bool
+
+
+class ProgramCache:
+    """The optimizer's step program and when to make it anew."""
+
+    def __init__(self) -> None:
+        self._program: StepProgram | None = None
+        self._rebind = False
+
+    @property
+    def current(self) -> StepProgram | None:
+        return self._program
+
+    def clear(self) -> None:
+        """Parameters, groups or meshes changed: build at the next step."""
+        self._program = None
+
+    def state_replaced(self) -> None:
+        """The state tensors were replaced wholesale (``load_state_dict``): bind anew."""
+        self._rebind = True
+
+    def get(self, key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings) -> Ready:
+        """The program for a step of ``key`` (``checks.build_now`` says when to build)."""
+        program = self._program
+        agreeing = settings.check_grads and program is not None and program.flags is not None
+        if checks.build_now(program.key if program is not None else None, key, agreeing):
+            self._program = None  # its buffers go before the new ones are allocated
+            self._program = build_program(key, groups, state, names, settings)
+        elif self._rebind or program.moved(_params(groups), state):
+            if checks.stale_layouts(_params(groups), state):
+                return Ready(program, bound=False)
+            self._program = None
+            self._program = _bind(program.plan, program.schedule, key, groups, state, settings)
+        self._rebind = False
+        return Ready(self._program, bound=True)
+
+
+def _params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
+    return [p for group in groups for p in group["params"]]
+
+
+def explain(groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings, shared: bool) -> NoReturn:
+    """Raise the error every rank agrees on (``checks.explain``; a collective when ``shared``)."""
+    params = _params(groups)
+    group = settings.site.group.group if shared else None
+    checks.explain(params, names, group, settings.nonfinite, checks.stale_layouts(params, state))
+
+
+def _muon_params(key: StepKey, groups: list[dict[str, Any]]) -> list[tuple[int, int, Tensor]]:
+    """(position, group index, parameter) of each Muon parameter with a gradient."""
+    indexed = [(g, p) for g, group in enumerate(groups) for p in group["params"]]
+    return [(i, g, p) for i, ((g, p), has) in enumerate(zip(indexed, key.has_grad)) if has and groups[g]["use_muon"]]
+
+
+@dataclass(frozen=True)
+class _Form:
+    """How one matrix is orthogonalized: its group's NS settings and the form for its shape."""
+
+    coefficients: tuple[Coefficients, ...]
+    eps: float
+    segments: tuple[int, ...]
+
+
+def _forms(matrices: Sequence[MatrixLayout], groups: Sequence[dict[str, Any]], dtype: torch.dtype) -> list[_Form]:
+    out = []
+    for m, group in zip(matrices, groups):
+        coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+        segments = ns_segments(group["ns_algorithm"], coefficients, dtype, m.rows, m.cols)
+        out.append(_Form(coefficients, float(group["eps"]), segments))
+    return out
+
+
+def build_program(key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings) -> StepProgram:
+    """A new plan and program for ``key``; with a check on, one ``all_reduce`` tells every rank
+    of any rank's trouble and (with ``check_grads``) that all built the same plan."""
+    muon = _muon_params(key, groups)
+    described = [(p, names[p], groups[g]) for _, g, p in muon]
+    layouts, param_of = describe_params(described, comm.default_world_size(), settings.site.mesh)
+    forms = _forms(layouts, [described[i][2] for i in param_of], settings.ns_dtype)
+    costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms)]
+    exchange = settings.site.group
+    plan = build_plan(layouts, costs, len(exchange.peers), settings.bucket_bytes, settings.comm_dtype.itemsize, param_of)
+    trouble = bool(checks.stale_layouts(_params(groups), state))
+    shared = key.flags and exchange.group is not None
+    if shared:
+        trouble = checks.agree_on_plan(
+            trouble, key.digest, plan.signature(), plan.world_size, exchange.group, settings.device, settings.check_grads
+        )
+    if trouble:
+        explain(groups, state, names, settings, shared)
+    schedule = rank_schedule(plan, exchange.rank, exchange.peers, FLAG_ELEMENTS if key.flags else 0)
+    return _bind(plan, schedule, key, groups, state, settings)
+
+
+def _bind(
+    plan: Plan, schedule: RankSchedule, key: StepKey, groups: list[dict[str, Any]], state: Any, settings: Settings
+) -> StepProgram:
+    """Allocate every buffer and make every view a step of ``plan`` needs on this rank."""
+    indexed = [(g, p) for g, group in enumerate(groups) for p in group["params"]]
+    entries = [Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(indexed, key.has_grad)) if has]
+    binder = _Binder(plan, entries, groups, settings)
+    parts = [binder.bucket(bucket) for bucket in schedule.buckets]
+    flat = _shared_workspace([batch for part in parts for batch in part.batches])
+    buckets = tuple(part.program(flat) for part in parts)
+    muon, spread = binder.momentum(state)
+    flags = None
+    first = buckets[0].to_owners
+    if first is not None and schedule.buckets[0].to_owners.flags:
+        values = torch.tensor(checks.encode(key.digest, invalid=False), dtype=settings.comm_dtype, device=settings.device)
+        send = _flag_index(first.send_counts, settings.device)
+        flags = Flags(send, _flag_index(first.receive_counts, settings.device), send[:, 1].contiguous(), values)
+        first.send.index_put_((flags.send,), values)
+    size = settings.comm_dtype.itemsize
+    counts = {
+        "ns_flops": sum(plan.costs[j] for bucket in schedule.buckets for j in bucket.owned),
+        "bytes_sent": schedule.elements(sent=True) * size,
+        "bytes_received": schedule.elements(sent=False) * size,
+        "flag_bytes": flags.send.numel() * size if flags is not None else 0,
+        "collectives": sum(e is not None for b in buckets for e in (b.to_owners, b.from_owners)),
+    }
+    return StepProgram(
+        key=key,
+        plan=plan,
+        schedule=schedule,
+        entries=binder.entries,
+        storage=tuple(t.data_ptr() for t in binder.locals),
+        state_slots=tuple((e.param, k, value) for e in binder.entries for k, value in state[e.param].items()),
+        grad_shapes=[t.shape for t in binder.locals],
+        found=torch.zeros(1, device=settings.device),
+        one=torch.ones((), device=settings.device),
+        muon=muon,
+        adamw=binder.adamw(state),
+        spread=spread,
+        buckets=buckets,
+        flags=flags,
+        all_updates=tuple(binder.merged.values()),
+        counts=counts,
+    )
+
+
+def _piece(local: Tensor, piece: Piece) -> Tensor:
+    """A rank's piece inside a tensor shaped like its local shard (a view)."""
+    return local.view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
+
+
+def _views(buffer: Tensor, segments: Sequence[Sequence[Transfer]], flags: int) -> list[list[Tensor]]:
+    """Views of each piece in a flat buffer laid out segment after segment, flags first."""
+    views, offset = [], 0
+    for segment in segments:
+        offset += flags
+        views.append([])
+        for t in segment:
+            views[-1].append(buffer[offset : offset + t.piece.numel].view(t.piece.rows, t.piece.cols))
+            offset += t.piece.numel
+    if offset != buffer.numel():
+        raise RuntimeError(f"exchange buffer of {buffer.numel()} elements, its pieces and flags use {offset}")
+    return views
+
+
+def _staging(transfers: Sequence[Transfer], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    return _views(torch.empty(sum(t.piece.numel for t in transfers), dtype=dtype, device=device), [transfers], 0)[0]
+
+
+@dataclass(frozen=True)
+class _Wired:
+    """One wire bound to buffers: the exchange and each transfer's send and receive view."""
+
+    exchange: comm.Exchange | None
+    sent: list[tuple[Transfer, Tensor]]
+    received: list[tuple[Transfer, Tensor]]
+
+
+def _wired(wire: Wire | None, settings: Settings) -> _Wired:
+    if wire is None:
+        return _Wired(None, [], [])
+    buffers = []
+    for counts, segments in ((wire.send_counts, wire.send), (wire.receive_counts, wire.receive)):
+        buffer = torch.zeros(sum(counts), dtype=settings.comm_dtype, device=settings.device)
+        views = _views(buffer, segments, wire.flags)
+        buffers.append((buffer, [(t, v) for segment, vs in zip(segments, views) for t, v in zip(segment, vs)]))
+    (send, sent), (receive, received) = buffers
+    group = settings.site.group.group
+    return _Wired(comm.Exchange(send, receive, wire.send_counts, wire.receive_counts, group), sent, received)
+
+
+def _flag_index(counts: list[int], device: torch.device) -> Tensor:
+    """Positions of every segment's flags in a buffer: (segments, FLAG_ELEMENTS)."""
+    starts = torch.tensor([sum(counts[:g]) for g in range(len(counts))], dtype=torch.int64)
+    return (starts[:, None] + torch.arange(FLAG_ELEMENTS)).to(device)
+
+
+@dataclass(frozen=True)
+class _Stack:
+    """A batch's stack and NS form, before the shared workspace exists."""
+
+    stack: Tensor
+    form: _Form
+
+
+@dataclass(frozen=True)
+class _BucketParts:
+    """One bucket bound, but for the workspace its batches share."""
+
+    to_owners: comm.Exchange | None
+    assemble: Copies
+    batches: list[_Stack]
+    collect: Copies
+    from_owners: comm.Exchange | None
+    updates: tuple[Updates, ...]
+
+    def program(self, flat: tuple[Tensor, Tensor] | None) -> BucketProgram:
+        batches = tuple(
+            Batch(s.stack, s.form.coefficients, s.form.eps, s.form.segments, Workspace.for_stack(s.stack, s.form.segments, flat))
+            for s in self.batches
+        )
+        return BucketProgram(self.to_owners, self.assemble, batches, self.collect, self.from_owners, self.updates)
+
+
+def _shared_workspace(stacks: list[_Stack]) -> tuple[Tensor, Tensor] | None:
+    """Flat buffers large enough for every stack's ``Workspace``: they share one, being
+    orthogonalized one at a time."""
+    if not stacks:
+        return None
+    sizes = [Workspace.sizes(s.stack.shape, s.form.segments) for s in stacks]
+    return tuple(stacks[0].stack.new_empty(max(size)) for size in zip(*sizes))
+
+
+def _in_shape(view: Tensor, local: Tensor) -> Tensor | None:
+    """``view`` seen in the local shard's shape, when it is the whole shard and can be."""
+    if view.shape == local.shape:
+        return view
+    return view.view(local.shape) if view.numel() == local.numel() and view.is_contiguous() else None
+
+
+class _Binder:
+    """Binds one program; holds what every part of the binding refers to."""
+
+    def __init__(self, plan: Plan, entries: list[Entry], groups: list[dict[str, Any]], settings: Settings):
+        self.plan, self.groups, self.settings = plan, groups, settings
+        self.entries = tuple(entries)
+        self.locals = [local_shard(e.param) for e in self.entries]
+        self.muon = [i for i, e in enumerate(self.entries) if groups[e.group]["use_muon"]]
+        matrix_groups = [groups[self.entries[self.entry_of(j)].group] for j in range(len(plan.matrices))]
+        self.forms = _forms(plan.matrices, matrix_groups, settings.ns_dtype)
+        self.staged = settings.comm_dtype != settings.ns_dtype
+        self.feeds: list[tuple[Tensor, Transfer]] = []  # (destination, this rank's piece) to fill
+        self.merged: dict[tuple[int, float], Updates] = {}
+
+    def entry_of(self, j: int) -> int:
+        return self.muon[self.plan.param_of[j]]
+
+    def update_class(self, j: int) -> tuple[int, float]:
+        group = self.entries[self.entry_of(j)].group
+        m = self.plan.matrices[j]
+        return group, elementwise.adjusted_lr(1.0, self.groups[group]["adjust_lr_fn"], m.rows, m.cols)
+
+    def stacks(self, owned: Sequence[int]) -> tuple[list[_Stack], dict[int, Tensor]]:
+        """Batches of owned matrices by (s, l, NS form), each a new (B, s, l) stack, and each
+        matrix's (rows, cols) view into its stack (a transposed view for tall matrices)."""
+        members: dict[tuple, list[int]] = defaultdict(list)
+        for j in owned:
+            m = self.plan.matrices[j]
+            members[(min(m.rows, m.cols), max(m.rows, m.cols), self.forms[j])].append(j)
+        stacks, matrix_views = [], {}
+        for (s, l, form), batch in members.items():
+            stack = torch.zeros(len(batch), s, l, dtype=self.settings.ns_dtype, device=self.settings.device)
+            stacks.append(_Stack(stack, form))
+            for b, j in enumerate(batch):
+                matrix_views[j] = stack[b].mT if self.plan.matrices[j].rows > self.plan.matrices[j].cols else stack[b]
+        return stacks, matrix_views
+
+    def bucket(self, bucket: BucketSchedule) -> _BucketParts:
+        """One bucket's exchanges, copies and updates (its stacks still without workspace)."""
+        stacks, matrix = self.stacks(bucket.owned)
+
+        def region(t: Transfer) -> Tensor:
+            p = t.piece
+            return matrix[t.matrix][p.row : p.row + p.rows, p.col : p.col + p.cols]
+
+        def staging(transfers: Sequence[Transfer]) -> list[Tensor]:
+            return _staging(transfers, self.settings.comm_dtype, self.settings.device)
+
+        to_owners = _wired(bucket.to_owners, self.settings)
+        self.feeds += [(view, t) for t, view in to_owners.sent]
+        assemble = Copies([region(t) for t, _ in to_owners.received], [view for _, view in to_owners.received])
+        own = list(bucket.own_pieces)
+        if self.staged:
+            stage = staging(own)
+            self.feeds += list(zip(stage, own))
+            assemble.dst.extend(region(t) for t in own)
+            assemble.src.extend(stage)
+        else:
+            self.feeds += [(region(t), t) for t in own]
+
+        from_owners = _wired(bucket.from_owners, self.settings)
+        collect = Copies([view for _, view in from_owners.sent], [region(t) for t, _ in from_owners.sent])
+        returned, own = list(from_owners.received), list(bucket.own_results)
+        if self.staged:
+            stage = staging(own)
+            collect.dst.extend(stage)
+            collect.src.extend(region(t) for t in own)
+            returned += list(zip(own, stage))
+        else:
+            returned += [(t, region(t)) for t in own]
+        mine: dict[tuple[int, float], Updates] = {}
+        for t, direction in returned:
+            target = _piece(self.locals[self.entry_of(t.matrix)], t.piece)
+            for table in (mine, self.merged):
+                u = table.setdefault(self.update_class(t.matrix), Updates(*self.update_class(t.matrix), [], []))
+                u.params.append(target)
+                u.directions.append(direction)
+        return _BucketParts(to_owners.exchange, assemble, stacks, collect, from_owners.exchange, tuple(mine.values()))
+
+    def momentum(self, state: Any) -> tuple[tuple[MuonLists, ...], Copies]:
+        """Per Muon group: where its NS inputs are written, straight or through scratch + spread."""
+        feeds: dict[int, list[tuple[Tensor, Transfer]]] = defaultdict(list)
+        for view, t in self.feeds:
+            feeds[self.entry_of(t.matrix)].append((view, t))
+        spread = Copies([], [])
+        lists = []
+        for group, members in self._by_group(muon=True).items():
+            straight, through = [], []
+            for i in members:
+                local = self.locals[i]
+                if not feeds[i]:
+                    continue  # nothing of it is orthogonalized here (another replica sends it)
+                direct = _in_shape(feeds[i][0][0], local) if len(feeds[i]) == 1 else None
+                if direct is not None:  # the one piece is the whole shard
+                    straight.append((i, direct))
+                    continue
+                scratch = torch.empty_like(local)
+                through.append((i, scratch))
+                spread.dst.extend(view for view, _ in feeds[i])
+                spread.src.extend(_piece(scratch, t.piece) for _, t in feeds[i])
+            buffer = {i: local_shard(state[self.entries[i].param]["momentum_buffer"]) for i in members}
+            inputs = tuple(
+                NSInputs(
+                    tuple(i for i, _ in chosen),
+                    [buffer[i] for i, _ in chosen],
+                    [d for _, d in chosen],
+                    all(d.dtype == buffer[i].dtype for i, d in chosen),
+                )
+                for chosen in (straight, through)
+                if chosen
+            )
+            params = [self.locals[i] for i in members]
+            lists.append(MuonLists(group, tuple(members), params, [buffer[i] for i in members], inputs))
+        return tuple(lists), spread
+
+    def adamw(self, state: Any) -> tuple[AdamWLists, ...]:
+        lists = []
+        for group, members in self._by_group(muon=False).items():
+            params = [self.locals[i] for i in members]
+            states = [state[self.entries[i].param] for i in members]
+            exp_avgs, exp_avg_sqs = ([local_shard(st[k]) for st in states] for k in ("exp_avg", "exp_avg_sq"))
+            steps = [st["step"] for st in states]
+            kernel = elementwise.adamw_kernel(params)
+            lists.append(AdamWLists(group, tuple(members), params, exp_avgs, exp_avg_sqs, steps, kernel))
+        return tuple(lists)
+
+    def _by_group(self, muon: bool) -> dict[int, list[int]]:
+        """Entry indices (= positions in the step's gradient list) by param group."""
+        out: dict[int, list[int]] = defaultdict(list)
+        for i, e in enumerate(self.entries):
+            if self.groups[e.group]["use_muon"] == muon:
+                out[e.group].append(i)
+        return out

@@ -19,8 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dmuon_fsdp import DMuonFSDP
 from reference import relative_error
 from spawn import run_ranks
-from test_equivalence import gradients, make_groups
-from test_reliability import sharded_model
+from models import gradients, make_groups, sharded_model
 
 
 def _train(model, opt, steps):

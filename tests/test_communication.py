@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
-from bench_host import HostReads
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.program import Batch
-from dmuon_fsdp.schedule import FLAG_ELEMENTS
-from dmuon_fsdp.stats import PHASES, StepStats
-
-from spawn import cpu_mesh, run_ranks
-from test_equivalence import ShapesModel, gradients, make_groups
-
-GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "all_reduce",
-           "reduce_scatter_tensor", "gather", "scatter")  # fmt: skip
+from dmuon_fsdp.checks import FLAG_ELEMENTS
+from dmuon_fsdp.stats import PHASES
+from instruments import CollectiveCalls, HostReads
+from models import gradients, make_groups, sharded_model
+from spawn import run_ranks
 
 
 def expected_splits(plan, rank, world, flags):
@@ -45,12 +37,16 @@ def expected_splits(plan, rank, world, flags):
     return out
 
 
+def _launched_before_first_ns(prof) -> int | None:
+    """All-to-alls launched before the first Newton-Schulz phase began, from a profiler trace
+    (the phase is labelled once per bucket, owned matrices or not)."""
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    names = [e.name for e in events if e.name in ("c10d::alltoall_base_", "dmuon_fsdp.newton_schulz")]
+    return names.index("dmuon_fsdp.newton_schulz") if "dmuon_fsdp.newton_schulz" in names else None
+
+
 def counted_step(rank, world_size, overlap, comm_dtype, checks=True):
-    model = ShapesModel()
-    mesh = cpu_mesh()
-    for holder in model.holders.values():
-        fully_shard(holder, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_model()
     # Buckets of at most 256 KiB split the 12 matrices into several buckets.
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, comm_dtype=comm_dtype, bucket_bytes=2**18,
                     overlap=overlap, time_phases=True, check_grads=checks, nonfinite="raise" if checks else "ignore")
@@ -58,45 +54,11 @@ def counted_step(rank, world_size, overlap, comm_dtype, checks=True):
     model(grads).backward()
     steps = []
     for _ in range(2):  # the first step builds the plan, the second is the steady state
-        calls = {name: 0 for name in GATHERS + ("full_tensor", "redistribute")}
-        a2a, ns_rows, events, originals = [], [], [], {}
-
-        def wrap(owner, name, record):
-            original = getattr(owner, name)
-            originals[(owner, name)] = original
-
-            def wrapper(*args, **kwargs):
-                record(*args, **kwargs)
-                return original(*args, **kwargs)
-
-            setattr(owner, name, wrapper)
-
-        def record_a2a(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
-            a2a.append((list(output_split_sizes), list(input_split_sizes), input.element_size()))
-            events.append("a2a")
-
-        def record_ns(batch):  # once per batch of same-shape matrices
-            ns_rows.append(batch.stack.shape[0])
-
-        def record_phase(stats, name):  # the NS phase comes once per bucket, owned matrices or not
-            if name == "newton_schulz":
-                events.append("ns")
-
-        wrap(dist, "all_to_all_single", record_a2a)
-        for name in GATHERS:
-            wrap(dist, name, lambda *a, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1))
-        for name in ("full_tensor", "redistribute"):
-            wrap(DTensor, name, lambda *a, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1))
-        wrap(Batch, "orthogonalize", record_ns)
-        wrap(StepStats, "phase", record_phase)
-        try:
-            with HostReads() as reads:
-                opt.step()
-        finally:
-            for (owner, name), original in originals.items():
-                setattr(owner, name, original)
-        steps.append({"a2a": a2a, "calls": calls, "ns_matrices": sum(ns_rows), "host_reads": reads.count,
-                      "a2a_before_first_ns": events.index("ns") if "ns" in events else None})  # fmt: skip
+        with CollectiveCalls() as calls, HostReads() as reads, torch.profiler.profile() as prof:
+            opt.step()
+        steps.append({"a2a": calls.all_to_alls, "all_reduce": calls.calls["all_reduce"], "gathers": calls.gathers,
+                      "ns_matrices": opt.last_step_stats.ns_matrices, "host_reads": reads.count,
+                      "a2a_before_first_ns": _launched_before_first_ns(prof)})  # fmt: skip
     plan, me = opt.plan, opt.exchange_rank
     size = torch.empty((), dtype=comm_dtype).element_size()
     return {
@@ -108,7 +70,7 @@ def counted_step(rank, world_size, overlap, comm_dtype, checks=True):
         "planned_bytes": plan.elements_moved(me) * size,
         "owned": sum(1 for o in plan.owners if o == me),
         "stats": opt.last_step_stats,
-        "owned_flops": sum(m.cost for m, o in zip(plan.matrices, plan.owners) if o == me),
+        "owned_flops": sum(cost for cost, o in zip(plan.costs, plan.owners) if o == me),
         "matrices": len(plan.matrices),
     }
 
@@ -130,8 +92,8 @@ def test_step_communication_matches_plan(world_size, overlap, comm_dtype, checks
             assert sent * r["element_size"] == r["planned_bytes"] > 0
             # The only all-reduce: on the first step, the check that every rank built the same
             # plan (none with check_grads=False); no gathers.
-            assert step["calls"].pop("all_reduce") == (1 if checks and index == 0 else 0)
-            assert not any(step["calls"].values()), f"rank {rank} gathered: {step['calls']}"
+            assert step["all_reduce"] == (1 if checks and index == 0 else 0)
+            assert step["gathers"] == 0, f"rank {rank} gathered"
             assert step["ns_matrices"] == r["owned"], f"rank {rank} orthogonalized matrices it does not own"
             if index == 1:  # steady state: one device-to-host read with the checks on, none without
                 assert step["host_reads"] == (1 if checks else 0)
@@ -165,7 +127,7 @@ def released_after_wait(rank, world_size):
             return [(sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)) for t in (send, receive)]
 
         before = counts()
-        handle = comm.launch(send, receive, [3] * world_size, [3] * world_size, group)
+        handle = comm.launch(comm.Exchange(send, receive, [3] * world_size, [3] * world_size, group))
         handle.wait()
         del handle
         held += counts() != before

@@ -4,108 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
-from dmuon_fsdp import POLAR_EXPRESS, DMuonFSDP
-from reference import reference_muon_step, relative_error
-from spawn import cpu_mesh, run_ranks
+from models import SHAPES, VECTORS, initial_params, reference_run, sharded_run
+from reference import relative_error
+from spawn import run_ranks
 
-# name -> shape. (5, 256) at W=4 leaves rows 2, 2, 1, 0; the three (64, 64) batch together.
-MUON_A = {"w5": (5, 256), "w1": (1, 128), "w37": (37, 64), "tall": (768, 256), "conv": (6, 3, 3, 3)}
-MUON_B = {"wide": (256, 768), "sq0": (64, 64), "sq1": (64, 64), "sq2": (64, 64)}
-VECTORS = {"b37": (37,), "b5": (5,)}
-SHAPES = {**MUON_A, **MUON_B, **VECTORS}
-STEPS = 3
-GROUP_A = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
-GROUP_B = dict(lr=0.01, weight_decay=0.0, adjust_lr_fn="match_rms_adamw", ns_coefficients=POLAR_EXPRESS)
-ADAMW = dict(lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
 TOLERANCE = 1e-5
-
-
-class Holder(nn.Module):
-    def __init__(self, init):
-        super().__init__()
-        self.weight = nn.Parameter(init.clone())
-
-    def forward(self, g):
-        return (self.weight * g).sum()
-
-
-class ShapesModel(nn.Module):
-    """One parameter per shape, initialized from ``initial_params``; the loss sum(w * g) makes
-    each gradient exactly g."""
-
-    def __init__(self):
-        super().__init__()
-        self.holders = nn.ModuleDict({name: Holder(p.float()) for name, p in initial_params().items()})
-
-    def forward(self, grads):
-        return sum(h(grads[name]) for name, h in self.holders.items())
-
-
-def initial_params():
-    gen = torch.Generator().manual_seed(0)
-    return {n: torch.randn(s, generator=gen, dtype=torch.float64) * 0.1 for n, s in SHAPES.items()}
-
-
-def gradients(step):
-    gen = torch.Generator().manual_seed(1000 + step)
-    return {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in SHAPES.items()}
-
-
-def make_groups(model, **options):
-    h = model.holders
-    return [
-        {"params": [h[n].weight for n in MUON_A], **GROUP_A},
-        {"params": [h[n].weight for n in MUON_B], **GROUP_B},
-        {"params": [h[n].weight for n in VECTORS], "use_muon": False, **ADAMW},
-    ]
-
-
-def reference_run():
-    params = initial_params()
-    bufs = {n: torch.zeros_like(p) for n, p in params.items()}
-    vectors = {n: params[n].clone().requires_grad_() for n in VECTORS}
-    adamw = torch.optim.AdamW(list(vectors.values()), **ADAMW)
-    for step in range(STEPS):
-        grads = gradients(step)
-        for names, opts in ((MUON_A, GROUP_A), (MUON_B, GROUP_B)):
-            coefficients = opts.get("ns_coefficients", (3.4445, -4.7750, 2.0315))
-            for n in names:
-                reference_muon_step(
-                    params[n], grads[n], bufs[n], lr=opts["lr"], momentum=0.95, nesterov=True,
-                    weight_decay=opts["weight_decay"], coefficients=coefficients, steps=5,
-                    eps=1e-7, adjust_lr_fn=opts["adjust_lr_fn"],
-                )  # fmt: skip
-        for n, v in vectors.items():
-            v.grad = grads[n].clone()
-        adamw.step()
-    params.update({n: v.detach() for n, v in vectors.items()})
-    return params, bufs
-
-
-def sharded_run(rank, world_size, ns_algorithm):
-    model = ShapesModel()
-    mesh = cpu_mesh()
-    for holder in model.holders.values():
-        fully_shard(holder, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, ns_algorithm=ns_algorithm)
-    for step in range(STEPS):
-        grads = {n: g.float() for n, g in gradients(step).items()}
-        model(grads).backward()
-        opt.step()
-        opt.zero_grad()
-    out = {}
-    for name, holder in model.holders.items():
-        p = holder.weight
-        assert isinstance(p, DTensor)
-        out[name] = p.full_tensor()
-        if name not in VECTORS:
-            out["buf:" + name] = opt.state[p]["momentum_buffer"].full_tensor()
-    return out
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

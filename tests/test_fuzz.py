@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from dmuon_fsdp import DMuonFSDP
 from reference import reference_muon_step, relative_error
 from spawn import cpu_mesh, run_ranks
-from test_equivalence import sharded_run
+from models import sharded_run
 
 
 class Matrices(nn.Module):

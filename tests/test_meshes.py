@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.program import Batch
+from instruments import CollectiveCalls
 from reference import reference_muon_step, relative_error
 from spawn import run_ranks
 
@@ -27,7 +27,6 @@ REFERENCE = dict(lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.1, coeffi
                  steps=5, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
 STEPS = 3
 TOLERANCE = 1e-5
-GATHERS = ("all_gather", "all_gather_into_tensor", "broadcast", "gather", "scatter", "reduce_scatter_tensor")
 # (5, 16) leaves an empty shard at 4 ranks; (13, 9) and (9, 13) split unevenly on both mesh dims.
 SHAPES = {"w5": (5, 16), "w13": (13, 9), "w9": (9, 13), "conv": (6, 3, 3, 3), "tall": (40, 8)}
 
@@ -62,26 +61,11 @@ def train(model, groups, loss_fn, stacked=()):
     for step in range(STEPS):
         loss_fn(step).backward()
         grads = {n: _full(p.grad).double() for n, p in params.items()}
-        originals = {}
-
-        def wrap(owner, name, record):
-            originals[(owner, name)] = original = getattr(owner, name)
-            setattr(owner, name, lambda *a, **k: (record(*a, **k), original(*a, **k))[1])
-
-        def bump(key, by=1):
-            counts[key] += by
-
-        wrap(Batch, "orthogonalize", lambda batch: bump("ns_matrices", batch.stack.shape[0]))
-        wrap(dist, "all_to_all_single", lambda *a, **k: bump("a2a"))
-        for name in GATHERS:
-            wrap(dist, name, lambda *a, **k: bump("gathers"))
-        for name in ("full_tensor", "redistribute"):
-            wrap(DTensor, name, lambda *a, **k: bump("gathers"))
-        try:
+        with CollectiveCalls() as calls:
             opt.step()
-        finally:
-            for (owner, name), original in originals.items():
-                setattr(owner, name, original)
+        counts["ns_matrices"] += opt.last_step_stats.ns_matrices
+        counts["a2a"] += calls.calls["all_to_all_single"]
+        counts["gathers"] += calls.gathers
         opt.zero_grad()
         plan = opt.plan
         counts["sent"] += opt.last_step_stats.bytes_sent

@@ -11,16 +11,24 @@ import pytest
 import torch
 
 from dmuon_fsdp.layouts import MatrixLayout, Piece, chunk_row_counts, replicated
-from dmuon_fsdp.newton_schulz import standard_segments
+from dmuon_fsdp.newton_schulz import newton_schulz_flops
 from dmuon_fsdp.planner import assign_owners, assignment_lower_bound, build_plan, makespan_lower_bound
-from model_shapes import LLAMA_SHAPES
+from models import LLAMA_SHAPES
 
-FIVE = standard_segments(5)  # five standard Newton-Schulz iterations
+
+
+def plan_for(matrices, world_size, bucket_bytes, element_size):
+    """The plan with each matrix costed at five standard Newton-Schulz iterations."""
+    return build_plan(matrices, costs(matrices), world_size, bucket_bytes, element_size)
+
+
+def costs(matrices):
+    return [newton_schulz_flops(m.rows, m.cols, 5) for m in matrices]
 
 
 def layouts(shapes, world_size):
     return [
-        MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world_size), FIVE)
+        MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world_size))
         for i, (r, c) in enumerate(shapes)
     ]
 
@@ -43,7 +51,7 @@ SHAPE_MIX = [(5, 256), (1, 128), (37, 64), (768, 256), (256, 768), (64, 64), (64
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
 def test_every_matrix_has_one_owner_and_splits_match(world_size):
-    plan = build_plan(layouts(SHAPE_MIX, world_size), world_size, bucket_bytes=300_000, element_size=4)
+    plan = plan_for(layouts(SHAPE_MIX, world_size), world_size, bucket_bytes=300_000, element_size=4)
     in_buckets = sorted(j for b in plan.buckets for j in b.matrices)
     assert in_buckets == list(range(len(SHAPE_MIX))), "each matrix in exactly one bucket"
     assert all(0 <= o < world_size for o in plan.owners)
@@ -57,24 +65,18 @@ def test_every_matrix_has_one_owner_and_splits_match(world_size):
 
 
 def _plan_signature(world_size):
-    plan = build_plan(layouts(LLAMA_SHAPES["gpt2-124m"], world_size), world_size, 2**24, 2)
+    plan = plan_for(layouts(LLAMA_SHAPES["gpt2-124m"], world_size), world_size, 2**24, 2)
     return [list(plan.owners), [list(b.matrices) for b in plan.buckets]]
 
 
 def test_plans_identical_across_simulated_ranks():
     # Each rank builds its plan in its own interpreter; different hash seeds must not matter.
-    code = (
-        "import json, sys; sys.path[:0] = sys.argv[1:]; "
-        "from test_planner import _plan_signature; print(json.dumps(_plan_signature(16)))"
-    )
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    paths = [here, os.path.join(root, "scripts"), root]
+    code = "import json; from test_planner import _plan_signature; print(json.dumps(_plan_signature(16)))"
+    tests = os.path.dirname(os.path.abspath(__file__))
     outputs = set()
     for seed in ("0", "1", "12345"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", code, *paths], env=env, check=True,
-                             capture_output=True, text=True).stdout  # fmt: skip
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": tests}
+        out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
         outputs.add(out.strip())
     assert len(outputs) == 1
     assert json.loads(outputs.pop()) == _plan_signature(16)
@@ -84,10 +86,10 @@ def test_plans_identical_across_simulated_ranks():
 @pytest.mark.parametrize("world_size", [8, 16, 64])
 def test_busiest_rank_near_assignment_lower_bound(model, world_size):
     matrices = layouts(LLAMA_SHAPES[model], world_size)
-    plan = build_plan(matrices, world_size, 2**30, 2)
+    plan = plan_for(matrices, world_size, 2**30, 2)
     loads = plan.loads()
-    bound = assignment_lower_bound([m.cost for m in matrices], world_size)
-    assert sum(loads) == sum(m.cost for m in matrices)
+    bound = assignment_lower_bound(costs(matrices), world_size)
+    assert sum(loads) == sum(costs(matrices))
     assert max(loads) <= 1.05 * bound, f"busiest {max(loads)} vs bound {bound}"
 
 
@@ -99,17 +101,17 @@ def test_lower_bound_terms():
 
 def test_rejects_pieces_that_do_not_tile_the_matrix():
     with pytest.raises(ValueError, match="'w'.*2 ranks"):
-        build_plan([MatrixLayout.row_sharded("w", 5, 3, (2, 3), FIVE)], 3, 2**20, 4)
+        plan_for([MatrixLayout.row_sharded("w", 5, 3, (2, 3))], 3, 2**20, 4)
     with pytest.raises(ValueError, match="'w'.*replica 0 hold 12 elements, not 15"):
-        build_plan([MatrixLayout.row_sharded("w", 5, 3, (2, 2), FIVE)], 2, 2**20, 4)
+        plan_for([MatrixLayout.row_sharded("w", 5, 3, (2, 2))], 2, 2**20, 4)
 
 
 @pytest.mark.parametrize("replicas,shards", [(2, 2), (3, 2), (2, 3)])
 def test_replicated_matrices_gather_one_copy_and_scatter_to_all(replicas, shards):
     world = replicas * shards
-    matrices = [replicated(MatrixLayout.row_sharded(f"m{i}", 7 + i, 5, chunk_row_counts(7 + i, shards), FIVE), replicas)
+    matrices = [replicated(MatrixLayout.row_sharded(f"m{i}", 7 + i, 5, chunk_row_counts(7 + i, shards)), replicas)
                 for i in range(2 * world)]
-    plan = build_plan(matrices, world, 2**20, 4)
+    plan = plan_for(matrices, world, 2**20, 4)
     assert sorted(set(plan.owners)) == list(range(world)), "owners spread over every replica"
     for j, (m, owner) in enumerate(zip(plan.matrices, plan.owners)):
         senders = plan.senders[j]
@@ -126,8 +128,8 @@ def test_replicated_matrices_gather_one_copy_and_scatter_to_all(replicas, shards
 def test_ddp_layout_sends_only_results():
     world, rows, cols = 3, 6, 4
     full = Piece(0, rows, 0, cols)
-    matrices = [MatrixLayout(f"m{i}", rows, cols, (full,) * world, FIVE, tuple(range(world))) for i in range(3)]
-    plan = build_plan(matrices, world, 2**20, 4)
+    matrices = [MatrixLayout(f"m{i}", rows, cols, (full,) * world, tuple(range(world))) for i in range(3)]
+    plan = plan_for(matrices, world, 2**20, 4)
     assert sorted(plan.owners) == [0, 1, 2]
     for r in range(world):
         assert all(plan.senders[j] == {plan.owners[j]} for j in range(3)), "the owner holds the whole matrix"
@@ -172,10 +174,10 @@ def test_l2_bound_explains_the_70b_case_at_256_ranks():
     # 240 MLP matrices and 160 attention squares: 240 ranks carry one MLP each, so the other 16
     # must take the squares; the simple bound cannot see this, the bin-packing bound can.
     matrices = layouts(LLAMA_SHAPES["llama3-70b"], 256)
-    costs = [m.cost for m in matrices]
-    busiest = max(build_plan(matrices, 256, 2**40, 2).loads())
-    assert busiest > 1.15 * assignment_lower_bound(costs, 256)
-    assert busiest <= 1.001 * makespan_lower_bound(costs, 256)
+    flops = costs(matrices)
+    busiest = max(plan_for(matrices, 256, 2**40, 2).loads())
+    assert busiest > 1.15 * assignment_lower_bound(flops, 256)
+    assert busiest <= 1.001 * makespan_lower_bound(flops, 256)
 
 
 def test_replicated_experts_are_owned_where_they_live():
@@ -186,8 +188,8 @@ def test_replicated_experts_are_owned_where_they_live():
     experts = []
     for e in range(4):
         counts = [rows if s == e else 0 for s in range(4)]
-        experts.append(replicated(MatrixLayout.row_sharded(f"e{e}", rows, cols, counts, FIVE), 2))
-    plan = build_plan(experts, world, 2**20, 4)
+        experts.append(replicated(MatrixLayout.row_sharded(f"e{e}", rows, cols, counts), 2))
+    plan = plan_for(experts, world, 2**20, 4)
     for e, owner in enumerate(plan.owners):
         assert owner in (e, 4 + e)
         assert plan.senders[e] == {owner}

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes import data  # noqa: E402
-from recipes.pretrain import parse_args, train  # noqa: E402
-from spawn import run_ranks  # noqa: E402
+from recipes import data
+from recipes.pretrain import parse_args, train
+from spawn import run_ranks
 
 
 def test_stdlib_corpus_splits_by_file_and_caches(tmp_path):
@@ -184,7 +183,7 @@ def test_resume_in_place_skips_a_partial_checkpoint_and_cuts_the_metrics_back(tm
     assert [r["time_s"] for r in logged] == sorted(r["time_s"] for r in logged)
     assert json.loads((tmp_path / "config.json").read_text())["run_id"] == run_id
     assert (tmp_path / "checkpoints/step_0000008/.metadata").is_file(), "the partial save is redone"
-    # The 2-rank checkpoint, loaded whole in this process (as recipes/sample.py does), gives the
+    # The 2-rank checkpoint, loaded whole in this process (as recipes.sample does), gives the
     # validation loss the run logged at step 8: the same 8 windows, here in one batch.
     from recipes import checkpoint
     from recipes.model import Transformer, preset

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from recipes.model import PRESETS  # noqa: E402
-from recipes.pretrain import main  # noqa: E402
+from recipes.model import PRESETS
+from recipes.pretrain import main
 
 TINY = ["--preset", "tiny", "--batch-size", "4", "--val-every", "2", "--val-batches", "1", "--no-progress"]
 
@@ -31,13 +30,13 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A finished one-process run (python recipes/pretrain.py, no torchrun) with a complete
+    """A finished one-process run (python -m recipes.pretrain, no torchrun) with a complete
     checkpoint at step 2 and one whose save did not finish at step 4, plus token files."""
     root = tmp_path_factory.mktemp("recipe-input")
     cache = root / "cache"
-    command = [sys.executable, str(ROOT / "recipes/pretrain.py"), *TINY, "--steps", "4", "--save-every", "2",
+    command = [sys.executable, "-m", "recipes.pretrain", *TINY, "--steps", "4", "--save-every", "2",
                "--run-dir", str(root / "used"), "--cache-dir", str(cache)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     config = json.loads((root / "used/config.json").read_text())
     assert config["world_size"] == 1 and config["args"]["preset"] == "tiny"
@@ -133,9 +132,9 @@ def test_bad_input_is_one_line_and_changes_nothing(workspace, name, monkeypatch,
 
 def test_under_torchrun_every_rank_exits_2_and_the_error_is_printed_once(workspace):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "recipes/pretrain.py"), *TINY, "--batch-size", "3", "--cache-dir", str(workspace / "cache"),
+               "-m", "recipes.pretrain", *TINY, "--batch-size", "3", "--cache-dir", str(workspace / "cache"),
                "--run-dir", str(workspace / "torchrun")]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode != 0
     output = done.stdout + done.stderr
     message = "error: --batch-size 3 must be divisible by ranks x --grad-accum (2 x 1 = 2)"

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.program import Batch
-from dmuon_fsdp.grad_checks import GradientMismatchError, NonFiniteGradientError
-from spawn import cpu_mesh, run_ranks
-from test_equivalence import ShapesModel, gradients, make_groups
-
-
-def sharded_model():
-    model = ShapesModel()
-    mesh = cpu_mesh()
-    for holder in model.holders.values():
-        fully_shard(holder, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+from dmuon_fsdp import DMuonFSDP, GradientMismatchError, NonFiniteGradientError
+from models import gradients, make_groups, sharded_model
+from spawn import run_ranks
 
 
 def _backward(model, step=0):
@@ -121,17 +111,22 @@ def test_parameters_on_two_meshes_name_both():
         assert kind == "ValueError" and "x.weight" in message and "y.weight" in message
 
 
+class FailingNewtonSchulz(TorchDispatchMode):
+    """Raises in the first batched matmul-add, as only Newton-Schulz dispatches them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.baddbmm.out:
+            raise RuntimeError("injected fault in Newton-Schulz")
+        return func(*args, **(kwargs or {}))
+
+
 def faulty_rank(rank, world_size):
     model = sharded_model()
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
     _backward(model)
-    if rank == 1:
-        def broken(*args, **kwargs):
-            raise RuntimeError("injected fault in Newton-Schulz")
-
-        Batch.orthogonalize = broken  # a spawned rank: nothing else sees the patch
     start = time.monotonic()
-    outcome = _outcome(opt.step)
+    with FailingNewtonSchulz() if rank == 1 else contextlib.nullcontext():
+        outcome = _outcome(opt.step)
     return outcome, time.monotonic() - start
 
 

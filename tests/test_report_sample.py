@@ -1,4 +1,4 @@
-"""recipes/report.py on hand-written run directories; recipes/sample.py on a tiny saved model."""
+"""recipes.report on hand-written run directories; recipes.sample on a tiny saved model."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes import report, sample  # noqa: E402
-from recipes.model import Transformer, preset  # noqa: E402
+from recipes import report, sample
+from recipes.model import Transformer, preset
 
 # dcp.save in a single process warns that it assumes a single process, as intended here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

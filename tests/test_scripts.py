@@ -18,13 +18,15 @@ from reference import relative_error
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args):
-    subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, check=True, capture_output=True, text=True)
+def _run(module, *args):
+    """``python -m benchmarks.<module> args`` from the repository root."""
+    command = [sys.executable, "-m", f"benchmarks.{module}", *map(str, args)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
 
 
 def test_bench_optimizer_reports_every_contender_and_plan_bytes(tmp_path):
     out = tmp_path / "optimizer.json"
-    _run("scripts/bench_optimizer.py", "--world-size", "2", "--preset", "tiny", "--steps", "1", "--warmup", "0",
+    _run("bench_optimizer", "--world-size", "2", "--preset", "tiny", "--steps", "1", "--warmup", "0",
          "--slow-steps", "1", "--out", out)  # fmt: skip
     result = json.loads(out.read_text())
     assert set(result["contenders"]) == {"adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap",
@@ -37,7 +39,7 @@ def test_bench_optimizer_reports_every_contender_and_plan_bytes(tmp_path):
 
 def test_simulate_scale_predicts_dmuon_below_gather_all(tmp_path):
     out = tmp_path / "sim.json"
-    _run("scripts/simulate_scale.py", "--models", "llama-1b", "--world-sizes", "8", "64", "--out", out)
+    _run("simulate_scale", "--models", "llama-1b", "--world-sizes", "8", "64", "--out", out)
     rows = json.loads(out.read_text())["results"]["llama-1b"]
     for row in rows:
         assert row["busiest_over_l2_bound"] >= 1 - 1e-9
@@ -47,25 +49,32 @@ def test_simulate_scale_predicts_dmuon_below_gather_all(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_hsdp_deduplication_moves_less_than_repeating_ns_per_replica():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from hsdp_bytes import compare
-    from model_shapes import LLAMA_SHAPES
-
+def test_hsdp_deduplication_moves_less_than_repeating_ns_per_replica(tmp_path):
+    out = tmp_path / "hsdp.json"
+    _run("simulate_scale", "--report", "hsdp", "--models", "gpt2-124m", "--meshes", "2x4", "4x2", "3x8", "--out", out)
+    result = json.loads(out.read_text())["results"]["gpt2-124m"]
+    total = result["elements"] * 2 / 2**20  # all matrices, bf16, MiB
     # Job totals: per-replica minus ours = N (R - 1)(S - 2) / S elements, N = all matrices' size.
-    for replicas, shards in [(2, 4), (4, 2), (3, 8)]:
-        schemes = compare(LLAMA_SHAPES["gpt2-124m"], replicas, shards)
+    for mesh, schemes in result["meshes"].items():
+        replicas, shards = (int(n) for n in mesh.split("x"))
         ours, repeated, two_step = schemes["DMuonFSDP"], schemes["per-replica"], schemes["a2a + all-gather"]
-        total = sum(r * c for r, c in LLAMA_SHAPES["gpt2-124m"]) * 2 / 2**20
         saved = total * (replicas - 1) * (shards - 2) / shards / (replicas * shards)
-        assert abs((repeated[1] - ours[1]) - saved) < 1e-6 * total, (replicas, shards)
-        assert abs(ours[1] - two_step[1]) < 1e-9, "the same total bytes as a2a + all-gather"
-        assert ours[2] <= repeated[2] / replicas * 1.1, "NS spread over every replica's ranks"
+        assert abs((repeated["mean_mib"] - ours["mean_mib"]) - saved) < 1e-6 * total, mesh
+        assert abs(ours["mean_mib"] - two_step["mean_mib"]) < 1e-9, "the same total bytes as a2a + all-gather"
+        assert ours["ns_gflop"] <= repeated["ns_gflop"] / replicas * 1.1, "NS spread over every replica's ranks"
+
+
+def test_simulate_scale_balance_is_near_the_lower_bound(tmp_path):
+    out = tmp_path / "balance.json"
+    _run("simulate_scale", "--report", "balance", "--models", "gpt2-124m", "--world-sizes", "8", "16", "--out", out)
+    rows = json.loads(out.read_text())["results"]["gpt2-124m"]
+    assert [r["world"] for r in rows] == [8, 16]
+    assert all(1 - 1e-9 <= r["over_bound"] <= 1.05 and r["over_mean"] >= 1 - 1e-9 for r in rows)
 
 
 def test_bench_host_counts_ops_and_host_reads(tmp_path):
     out = tmp_path / "host.json"
-    _run("scripts/bench_host.py", "--cases", "w1", "fake64", "--steps", "5", "--warmup", "1", "--out", out)
+    _run("bench_host", "--cases", "w1", "fake64", "--steps", "5", "--warmup", "1", "--out", out)
     result = json.loads(out.read_text())
     for case in ("w1", "fake64"):
         dmuon, quiet = result[case]["dmuon"], result[case]["dmuon-nochecks"]
@@ -75,7 +84,7 @@ def test_bench_host_counts_ops_and_host_reads(tmp_path):
 
 def test_bench_ns_forms_times_both_forms_per_shape_and_the_step(tmp_path):
     out = tmp_path / "forms.json"
-    _run("scripts/bench_ns_forms.py", "--presets", "tiny", "--repeats", "1", "--out", out)
+    _run("bench_ns_forms", "--presets", "tiny", "--repeats", "1", "--out", out)
     rows = json.loads(out.read_text())["rows"]
     assert {tuple(r["shape"]) for r in rows} == {(32, 32), (16, 32), (32, 64)}  # tiny: square, k/v, MLP
     for r in rows:
@@ -85,7 +94,7 @@ def test_bench_ns_forms_times_both_forms_per_shape_and_the_step(tmp_path):
             assert r["seconds"][form] > 0
         assert r["auto"] == (r["flops"]["gram"] < r["flops"]["standard"])
     step = tmp_path / "step.json"
-    _run("scripts/bench_ns_forms.py", "--step", "--preset", "tiny", "--world-size", "2", "--steps", "1",
+    _run("bench_ns_forms", "--step", "--preset", "tiny", "--world-size", "2", "--steps", "1",
          "--warmup", "0", "--out", step)  # fmt: skip
     result = json.loads(step.read_text())
     assert result["auto"]["busiest_ns_flops"] < result["standard"]["busiest_ns_flops"]
@@ -99,7 +108,7 @@ def test_ns_accuracy_reads_a_checkpoints_momentum(tmp_path):
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(tmp_path / "step_0000001"), no_dist=True)
     out = tmp_path / "accuracy.json"
-    _run("scripts/ns_accuracy.py", tmp_path / "step_0000001", "--dtypes", "float32", "--out", out)
+    _run("ns_accuracy", tmp_path / "step_0000001", "--dtypes", "float32", "--out", out)
     rows = json.loads(out.read_text())["table"]
     assert [(r["coefficients"], r["shape"]) for r in rows] == [("muon", [24, 40]), ("polar_express", [24, 40])]
     for r in rows:  # the errors newton_schulz gives, in each form, against float64
@@ -109,10 +118,10 @@ def test_ns_accuracy_reads_a_checkpoints_momentum(tmp_path):
             got = newton_schulz(low_rank, coefficients, 1e-7, torch.float32, form)
             assert r[form] == pytest.approx(relative_error(got, expected), rel=1e-6)
         assert tuple(r["segments"]) == ns_segments("gram", coefficients, torch.float32, 24, 40)
-    _run("scripts/ns_accuracy.py", tmp_path / "step_0000001", "--search", "3", "--dtypes", "float32", "--out", out)
+    _run("ns_accuracy", tmp_path / "step_0000001", "--search", "3", "--dtypes", "float32", "--out", out)
     search = json.loads(out.read_text())["search"]
     assert sorted(tuple(r["segments"]) for r in search if r["coefficients"] == "muon") == sorted(
         [(3,), (1, 2), (2, 1), (1, 1, 1)])
-    failed = subprocess.run([sys.executable, "scripts/ns_accuracy.py", str(tmp_path)], cwd=ROOT, capture_output=True,
-                            text=True)  # fmt: skip
+    command = [sys.executable, "-m", "benchmarks.ns_accuracy", str(tmp_path)]
+    failed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert failed.returncode != 0 and f"error: {tmp_path} is not a complete checkpoint (no .metadata)" in failed.stderr

@@ -13,7 +13,7 @@ from torch import nn
 from dmuon_fsdp import MUON_COEFFICIENTS, POLAR_EXPRESS, DMuonFSDP, param_groups
 from dmuon_fsdp.newton_schulz import gram_segments, resolve_coefficients, segments_flops, standard_segments
 from reference import reference_muon_step, relative_error
-from test_equivalence import (
+from models import (
     SHAPES,
     STEPS,
     VECTORS,
@@ -292,7 +292,7 @@ def test_a_changed_ns_algorithm_runs_the_gram_form_at_the_next_step():
     expected = _expected_after_a_step(w, MUON_COEFFICIENTS, 5)
     opt.step()
     segments = gram_segments(resolve_coefficients(MUON_COEFFICIENTS, 5), torch.float64)
-    assert opt.plan.matrices[0].ns_segments == segments != standard_segments(5)
+    assert opt.plan.costs[0] == segments_flops(8, 40, segments) != segments_flops(8, 40, standard_segments(5))
     assert opt.last_step_stats.ns_flops == segments_flops(8, 40, segments)
     assert relative_error(w.detach(), expected) < 1e-12  # the same polynomial, in float64
     opt.param_groups[0]["ns_algorithm"] = "fast"
@@ -311,17 +311,26 @@ def test_a_state_dict_from_before_ns_algorithm_loads_and_keeps_this_optimizers_v
     assert other.param_groups[0]["ns_algorithm"] == "gram"
     w.grad = torch.randn_like(w)
     other.step()
-    assert other.plan.matrices[0].ns_segments != standard_segments(5)
+    assert other.plan.costs[0] != segments_flops(8, 40, standard_segments(5))
 
 
 @pytest.mark.parametrize("ns_algorithm", ["standard", "gram"])
 def test_an_empty_matrix_beside_others_steps(ns_algorithm):
+    # The empty matrix is planned and batched like any other, and changes nothing beside it: w
+    # steps exactly as it does alone.
+    torch.manual_seed(0)
     empty, w = nn.Parameter(torch.zeros(5, 0)), nn.Parameter(torch.randn(4, 6))
+    alone = nn.Parameter(w.detach().clone())
     opt = DMuonFSDP([empty, w], ns_algorithm=ns_algorithm)
-    before = w.detach().clone()
-    empty.grad, w.grad = torch.zeros(5, 0), torch.randn(4, 6)
-    opt.step()
-    assert empty.shape == (5, 0) and not torch.equal(w.detach(), before)
+    reference = DMuonFSDP([alone], ns_algorithm=ns_algorithm)
+    for _ in range(2):
+        empty.grad, w.grad = torch.zeros(5, 0), torch.randn(4, 6)
+        alone.grad = w.grad.clone()
+        opt.step()
+        reference.step()
+    assert [(m.rows, m.cols) for m in opt.plan.matrices] == [(5, 0), (4, 6)]
+    assert opt.last_step_stats.ns_matrices == 2
+    assert torch.equal(w.detach(), alone.detach()) and not torch.equal(w.detach(), alone.grad)
 
 
 def test_profiler_trace_shows_the_step_phases():
@@ -337,7 +346,7 @@ def test_profiler_trace_shows_the_step_phases():
 
 
 def _ops_and_reads(blocks, **options):
-    from bench_host import HostReads, OpCounter
+    from instruments import HostReads, OpCounter
     from recipes.model import Transformer, preset
 
     torch.manual_seed(0)
@@ -377,7 +386,7 @@ def test_a_replaced_state_tensor_is_followed():
 
 
 def test_nonfinite_check_flags_inf_and_nan_and_changes_no_gradient():
-    from dmuon_fsdp.grad_checks import nonfinite_indicator
+    from dmuon_fsdp.checks import nonfinite_indicator
 
     found, one = torch.zeros(1), torch.ones(())
     grads = [torch.full((4,), 60000.0, dtype=torch.float16), torch.tensor([-0.0, 2.5]), torch.zeros(0, 3)]

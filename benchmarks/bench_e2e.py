@@ -1,11 +1,11 @@
 """End-to-end training step time (forward + backward + optimizer) of the recipe model.
 
-Runs recipes/pretrain.py under torchrun for each optimizer and world size, one thread per rank,
+Runs recipes.pretrain under torchrun for each optimizer and world size, one thread per rank,
 then reports the median step time, DMuonFSDP's and torch-muon's overhead over AdamW, and the
 analytic lower bound of DMuonFSDP's overhead: the busiest rank's Newton-Schulz flops divided by
 this machine's matmul rate for those shapes (plain torch.bmm, measured in the same run).
 
-    python scripts/bench_e2e.py --world-sizes 1 2 4 --steps 40
+    python -m benchmarks.bench_e2e --world-sizes 1 2 4 --steps 40
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from dmuon_fsdp import param_groups  # noqa: E402
-from dmuon_fsdp.newton_schulz import newton_schulz_flops, standard_segments  # noqa: E402
-from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts  # noqa: E402
-from dmuon_fsdp.planner import build_plan  # noqa: E402
-from matmul_floor import bmm_seconds  # noqa: E402
-from recipes.model import PRESETS, Transformer, preset  # noqa: E402
+from dmuon_fsdp import param_groups
+from dmuon_fsdp.newton_schulz import newton_schulz_flops
+from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts
+from dmuon_fsdp.planner import build_plan
+from benchmarks.matmul_floor import bmm_seconds
+from recipes.model import PRESETS, Transformer, preset
 
 OPTIMIZERS = ["adamw", "torch-muon", "dmuon"]
 
@@ -35,7 +34,7 @@ OPTIMIZERS = ["adamw", "torch-muon", "dmuon"]
 def run(optimizer: str, world: int, args: argparse.Namespace) -> dict:
     run_dir = Path(args.out) / f"{optimizer}-w{world}"
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={world}",
-           str(ROOT / "recipes/pretrain.py"), "--preset", args.preset, "--optimizer", optimizer,
+           "-m", "recipes.pretrain", "--preset", args.preset, "--optimizer", optimizer,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--val-every", str(10**9),
            "--val-batches", "1", "--threads", "1", "--no-progress", "--run-dir", str(run_dir), "--overwrite"]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -47,9 +46,8 @@ def dmuon_ns_floor_ms(cfg, world: int) -> tuple[float, float]:
     """(busiest rank's NS GFLOP, its bmm floor in ms) for the model's Muon matrices."""
     torch.set_num_threads(1)
     shapes = [tuple(p.shape) for _, p in param_groups(Transformer(cfg))[0]["params"]]
-    layouts = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world), standard_segments(5))
-               for i, (r, c) in enumerate(shapes)]
-    plan = build_plan(layouts, world, 128 * 2**20, 4)
+    layouts = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)]
+    plan = build_plan(layouts, [newton_schulz_flops(r, c, 5) for r, c in shapes], world, 128 * 2**20, 4)
     loads = plan.loads()
     busiest = max(range(world), key=loads.__getitem__)
     floor = bmm_seconds(plan, busiest, torch.float32, torch.device("cpu"))

@@ -21,31 +21,30 @@ is the median wall time of ``step()`` over ``--steps`` steps, contenders interle
 reported without the time spent inside torch.distributed calls (gloo's waits at W=2; with the
 fake backend, its per-peer cost of an all-to-all launch).
 
-    python scripts/bench_host.py                 # every case, ~1 minute on 2 cores
-    python scripts/bench_host.py --cases w1 w2   # a subset
+    python -m benchmarks.bench_host                 # every case, ~1 minute on 2 cores
+    python -m benchmarks.bench_host --cases w1 w2   # a subset
+
+The instruments are the test suite's (``tests/instruments.py``), so that the tests' bounds and
+these figures are counted alike.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from dmuon_fsdp import DMuonFSDP, param_groups  # noqa: E402
-from recipes.model import Transformer, preset  # noqa: E402
+from dmuon_fsdp import DMuonFSDP, param_groups
+from recipes.model import Transformer, preset
+from tests.instruments import CollectiveCalls, HostReads, OpCounter
 
 # case -> (world size, process group kind, blocks)
 CASES = {
@@ -62,64 +61,6 @@ CONTENDERS = {
     "dmuon-nochecks": lambda model: DMuonFSDP(param_groups(model), check_grads=False, nonfinite="ignore"),
     "adamw-fused": lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
 }
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten (and c10d, profiler) op dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class HostReads:
-    """Counts Tensor.item / tolist / __bool__ calls while active (device-to-host reads on GPUs)."""
-
-    NAMES = ("item", "tolist", "__bool__")
-
-    def __enter__(self):
-        self.count = 0
-        self.originals = {name: getattr(torch.Tensor, name) for name in self.NAMES}
-        for name, original in self.originals.items():
-            def wrapper(tensor, *args, _original=original, **kwargs):
-                self.count += 1
-                return _original(tensor, *args, **kwargs)
-
-            setattr(torch.Tensor, name, wrapper)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.originals.items():
-            setattr(torch.Tensor, name, original)
-
-
-class CollectiveCalls:
-    """Accumulates the wall time spent inside torch.distributed collective calls (launches;
-    torch's fake backend spends microseconds per peer in an all-to-all with data for it)."""
-
-    NAMES = ("all_to_all_single", "all_reduce")
-
-    def __enter__(self):
-        self.seconds = 0.0
-        self.originals = {name: getattr(dist, name) for name in self.NAMES}
-        for name, original in self.originals.items():
-            def wrapper(*args, _original=original, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - start
-
-            setattr(dist, name, wrapper)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.originals.items():
-            setattr(dist, name, original)
 
 
 def build_model(blocks: int, world: int, kind: str | None) -> torch.nn.Module:

@@ -12,8 +12,8 @@ Step (--step): the FSDP2-sharded preset model on --world-size ranks, one DMuonFS
 round, so drift of the machine hits all alike), median of the slowest rank's step time, and
 each optimizer's NS flops on the busiest rank.
 
-    python scripts/bench_ns_forms.py --presets cpu-bench 124m 1b --dtype float32
-    python scripts/bench_ns_forms.py --step --preset cpu-bench --world-size 2 --dtype bfloat16
+    python -m benchmarks.bench_ns_forms --presets cpu-bench 124m 1b --dtype float32
+    python -m benchmarks.bench_ns_forms --step --preset cpu-bench --world-size 2 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from dmuon_fsdp import DMuonFSDP, param_groups  # noqa: E402
-from dmuon_fsdp.newton_schulz import (  # noqa: E402
+from dmuon_fsdp import DMuonFSDP, param_groups
+from dmuon_fsdp.newton_schulz import (
     MUON_COEFFICIENTS,
     NS_ALGORITHMS,
     Workspace,
@@ -45,9 +44,9 @@ from dmuon_fsdp.newton_schulz import (  # noqa: E402
     resolve_coefficients,
     segments_flops,
 )
-from bench_optimizer import sharded_model  # noqa: E402
-from matmul_floor import sync  # noqa: E402
-from recipes.model import PRESETS, Transformer, preset  # noqa: E402
+from benchmarks.bench_optimizer import sharded_model
+from benchmarks.matmul_floor import sync
+from recipes.model import PRESETS, Transformer, preset
 
 
 def preset_shapes(name: str) -> Counter:

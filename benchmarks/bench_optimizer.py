@@ -10,9 +10,9 @@ NS efficiency = floor / measured NS time. ``dmuon-qk-clip`` is DMuonFSDP followe
 every attention layer with every head over tau: the clip's cost after the step (not the forward's
 logit tracking, which is the training loop's).
 
-    python scripts/bench_optimizer.py --world-size 2
-    python scripts/bench_optimizer.py --world-size 4 --contenders adamw dmuon gather-muon
-    python scripts/bench_optimizer.py --ns-throughput       # one device: batched NS vs torch.mm
+    python -m benchmarks.bench_optimizer --world-size 2
+    python -m benchmarks.bench_optimizer --world-size 4 --contenders adamw dmuon gather-muon
+    python -m benchmarks.bench_optimizer --ns-throughput       # one device: batched NS vs torch.mm
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups  # noqa: E402
-from dmuon_fsdp.newton_schulz import default_ns_dtype  # noqa: E402
-from dmuon_fsdp.stats import PHASES  # noqa: E402
-from gather_muon import GatherAllMuon  # noqa: E402
-from matmul_floor import bmm_seconds, ns_throughput_report  # noqa: E402
-from recipes.model import PRESETS, Transformer, preset  # noqa: E402
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups
+from dmuon_fsdp.newton_schulz import default_ns_dtype
+from dmuon_fsdp.stats import PHASES
+from benchmarks.gather_muon import GatherAllMuon
+from benchmarks.matmul_floor import bmm_seconds, ns_throughput_report
+from recipes.model import PRESETS, Transformer, preset
 
 CONTENDERS = ["adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap", "dmuon-qk-clip"]
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from dmuon_fsdp import DMuonFSDP, param_groups
-from dmuon_fsdp.newton_schulz import default_ns_dtype, newton_schulz_flops
+from dmuon_fsdp.newton_schulz import default_ns_dtype, newton_schulz_flops, standard_segments
 from dmuon_fsdp.planner import Plan
 
 
@@ -51,13 +52,20 @@ def bmm_chain_seconds(
     return _best_seconds(products, device)
 
 
-def bmm_seconds(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device) -> float:
+def bmm_seconds(
+    plan: Plan,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    segments: Callable[[int, int], tuple[int, ...]] = lambda rows, cols: standard_segments(5),
+) -> float:
     """Least NS time of ``rank`` under ``plan``: its owned batches, per bucket, (short, long)
-    side (DMuonFSDP stacks tall matrices transposed with wide ones) and NS form, as bmm."""
+    side (DMuonFSDP stacks tall matrices transposed with wide ones) and NS form (``segments(rows,
+    cols)``, as the optimizer's ``ns_algorithm`` picks it; default: five standard iterations), as bmm."""
     total = 0.0
     for bucket in plan.buckets:
         matrices = [plan.matrices[j] for j in plan.owned_by(bucket, rank)]
-        shapes = Counter((min(m.rows, m.cols), max(m.rows, m.cols), m.ns_segments) for m in matrices)
+        shapes = Counter((min(m.rows, m.cols), max(m.rows, m.cols), segments(m.rows, m.cols)) for m in matrices)
         for (s, l, segments), batch in shapes.items():
             total += bmm_chain_seconds(batch, s, l, segments, dtype, device)
     return total

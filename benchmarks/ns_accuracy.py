@@ -7,10 +7,10 @@ over the matrices of that shape of the standard form and of the Gram form (its d
 placement of N iterations (2^(N-1) of them) by the worst ratio over shapes, in --dtype: the
 evidence behind ``gram_segments``.
 
-    torchrun --standalone --nproc-per-node 2 recipes/pretrain.py --preset cpu-demo --optimizer dmuon \\
+    torchrun --standalone --nproc-per-node 2 -m recipes.pretrain --preset cpu-demo --optimizer dmuon \\
         --run-dir runs/ns-momentum --save-every 100 --overwrite
-    python scripts/ns_accuracy.py runs/ns-momentum/checkpoints/step_0000100
-    python scripts/ns_accuracy.py runs/ns-momentum/checkpoints/step_0000100 --search 5 --dtype bfloat16
+    python -m benchmarks.ns_accuracy runs/ns-momentum/checkpoints/step_0000100
+    python -m benchmarks.ns_accuracy runs/ns-momentum/checkpoints/step_0000100 --search 5 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dmuon_fsdp.newton_schulz import (  # noqa: E402
+from dmuon_fsdp.newton_schulz import (
     NAMED_COEFFICIENTS,
     Workspace,
     gram_segments,

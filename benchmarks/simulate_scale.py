@@ -1,11 +1,9 @@
-"""DMuonFSDP at scale, on paper: the planner alone, no processes.
+"""DMuonFSDP at scale, on paper: the planner alone, no processes. Three reports:
 
-For real model shape tables and world sizes up to 1024, prints the NS load balance, the bytes each
-rank sends per step and a predicted optimizer-step time for DMuonFSDP, gather-all ("vanilla")
-Muon and AdamW, and plots step time against W.
-
-The model (per rank, per optimizer step; matrices only: embeddings, head and vectors are left
-out, they cost the same under every optimizer):
+``--report step`` (default): for real model shape tables and world sizes up to 1024, the NS load
+balance, the bytes each rank sends per step and a predicted optimizer-step time for DMuonFSDP,
+gather-all ("vanilla") Muon and AdamW; plots step time against W. The model (per rank, per
+optimizer step; matrices only: embeddings, head and vectors cost the same under every optimizer):
 - Newton-Schulz time = NS flops on the rank / (peak bf16 TFLOP/s x --ns-efficiency).
   DMuonFSDP: the busiest rank's owned matrices, each in the form ``ns_algorithm`` picks for it in
   bf16 (one plan per --ns-algorithms entry: "auto" runs Gram Newton-Schulz where it needs fewer
@@ -21,38 +19,67 @@ out, they cost the same under every optimizer):
 GPU defaults: H100 (989 bf16 TFLOP/s dense, 3350 GB/s HBM) and H200 (989, 4800), 50 GB/s of
 network per GPU (400 Gb/s), NS at 50% of peak.
 
-    python scripts/simulate_scale.py --gpu h200
+``--report balance``: per model and world size, the busiest rank's NS flops over the assignment
+lower bound max(total / W, largest matrix, W-th + (W+1)-th largest), and over the mean load.
+
+``--report hsdp``: HSDP (replicas R x shards S, ``--meshes RxS``), bf16 on the wire, bytes sent
+per rank per step (max and mean, MiB) and the busiest rank's NS GFLOP of four ways to run Muon:
+per-replica (DMuonFSDP inside each replica group, NS repeated R times in the job); DMuonFSDP
+(owners over all R*S ranks, one all-to-all over the job each way); a2a + all-gather (the same
+owners, results returned inside the owner's shard group and then all-gathered across replicas);
+gather-all (every rank gathers every matrix in its shard group and runs all NS).
+
+    python -m benchmarks.simulate_scale --gpu h200
+    python -m benchmarks.simulate_scale --report balance --world-sizes 8 16 64
+    python -m benchmarks.simulate_scale --report hsdp --meshes 2x4 4x8 8x8 --models gpt2-124m llama3-8b
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), os.path.dirname(__file__)]
+import torch
 
-import torch  # noqa: E402
+from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts, replicated
+from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, NS_ALGORITHMS, ns_segments, resolve_coefficients, segments_flops
+from dmuon_fsdp.planner import Plan, assignment_lower_bound, build_plan, makespan_lower_bound
 
-from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts  # noqa: E402
-from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, NS_ALGORITHMS, ns_segments, resolve_coefficients  # noqa: E402
-from dmuon_fsdp.planner import assignment_lower_bound, build_plan, makespan_lower_bound  # noqa: E402
-from model_shapes import LLAMA_SHAPES, MOE_SHAPES  # noqa: E402
 
+def llama_matrices(layers: int, dim: int, kv_dim: int, ffn: int, experts: int = 0) -> list[tuple[int, int]]:
+    """Hidden matrices of a Llama decoder (q, k, v, o, gate, up, down per layer) as (out, in); with
+    ``experts``, that many SwiGLU experts per layer instead of one MLP, each expert's three
+    matrices orthogonalized on their own (an expert stack [E, m, n] is E matrices)."""
+    attention = [(dim, dim), (kv_dim, dim), (kv_dim, dim), (dim, dim)]
+    return (attention + [(ffn, dim), (ffn, dim), (dim, ffn)] * max(experts, 1)) * layers
+
+
+MODELS = {
+    "gpt2-124m": llama_matrices(12, 768, 768, 3072),
+    "llama-1b": llama_matrices(16, 2048, 512, 8192),
+    "llama3-8b": llama_matrices(32, 4096, 1024, 14336),
+    "llama3-70b": llama_matrices(80, 8192, 1024, 28672),
+    "mixtral-8x7b": llama_matrices(32, 4096, 1024, 14336, experts=8),
+}
 GPUS = {"h100": {"tflops": 989.0, "hbm_gbs": 3350.0}, "h200": {"tflops": 989.0, "hbm_gbs": 4800.0}}
-MODELS = {"llama-1b": LLAMA_SHAPES["llama-1b"], "llama3-8b": LLAMA_SHAPES["llama3-8b"],
-          "llama3-70b": LLAMA_SHAPES["llama3-70b"], **MOE_SHAPES}  # fmt: skip
 STATE_BYTES_PER_PARAM = 28
 WIRE_BYTES = 2  # bf16
 
 
-def layouts_for(shapes: list[tuple[int, int]], world: int, algorithm: str, ns_steps: int) -> list[MatrixLayout]:
+def row_sharded(shapes: list[tuple[int, int]], world: int) -> list[MatrixLayout]:
+    return [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)]
+
+
+def ns_costs(shapes: list[tuple[int, int]], algorithm: str = "standard", ns_steps: int = 5) -> list[int]:
+    """NS flops of each matrix in the form ``algorithm`` picks for it in bf16."""
     coefficients = resolve_coefficients(MUON_COEFFICIENTS, ns_steps)
-    return [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world),
-                                     ns_segments(algorithm, coefficients, torch.bfloat16, r, c))
-            for i, (r, c) in enumerate(shapes)]  # fmt: skip
+    return [segments_flops(r, c, ns_segments(algorithm, coefficients, torch.bfloat16, r, c)) for r, c in shapes]
+
+
+def plan_for(shapes: list[tuple[int, int]], world: int, bucket_bytes: int, algorithm: str = "standard",
+             ns_steps: int = 5) -> Plan:  # fmt: skip
+    return build_plan(row_sharded(shapes, world), ns_costs(shapes, algorithm, ns_steps), world, bucket_bytes, WIRE_BYTES)
 
 
 def simulate(shapes: list[tuple[int, int]], world: int, args: argparse.Namespace) -> dict:
@@ -61,14 +88,13 @@ def simulate(shapes: list[tuple[int, int]], world: int, args: argparse.Namespace
     link = args.link_gbs * 1e9
     params = sum(r * c for r, c in shapes)
     elementwise = params / world * STATE_BYTES_PER_PARAM / (args.hbm_gbs * 1e9)
-    standard = [m.cost for m in layouts_for(shapes, world, "standard", args.ns_steps)]
+    standard = ns_costs(shapes, "standard", args.ns_steps)
     gather = elementwise + sum(standard) / rate + params * WIRE_BYTES * (world - 1) / world / link
     row: dict = {"world": world, "matrices": len(shapes), "params": params, "gather_ms": gather * 1e3,
                  "adamw_ms": elementwise * 1e3, "dmuon_ms": {}}  # fmt: skip
     for algorithm in args.ns_algorithms:
-        layouts = layouts_for(shapes, world, algorithm, args.ns_steps)
-        plan = build_plan(layouts, world, args.bucket_mib * 2**20, WIRE_BYTES)
-        loads, costs = plan.loads(), [m.cost for m in layouts]
+        plan = plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps)
+        loads, costs = plan.loads(), list(plan.costs)
         sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
         row["dmuon_ms"][algorithm] = (elementwise + max(loads) / rate + sent / link) * 1e3
         if algorithm == args.ns_algorithms[0]:
@@ -101,24 +127,53 @@ def plot(results: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
-    parser.add_argument("--tflops", type=float, default=None, help="peak dense bf16 TFLOP/s (default: the GPU's)")
-    parser.add_argument("--hbm-gbs", type=float, default=None, help="memory bandwidth GB/s (default: the GPU's)")
-    parser.add_argument("--link-gbs", type=float, default=50.0, help="network GB/s per GPU, each direction")
-    parser.add_argument("--ns-efficiency", type=float, default=0.5, help="achieved fraction of peak in NS")
-    parser.add_argument("--ns-steps", type=int, default=5)
-    parser.add_argument("--ns-algorithms", nargs="+", default=["standard", "auto"], choices=NS_ALGORITHMS,
-                        help="DMuonFSDP's ns_algorithm, one predicted step per entry")  # fmt: skip
-    parser.add_argument("--bucket-mib", type=int, default=128)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--out", default="runs/bench/simulate_scale.json")
-    args = parser.parse_args()
+def balance(shapes: list[tuple[int, int]], world: int) -> dict:
+    """The busiest rank's NS load over the assignment lower bound and over the mean."""
+    loads = plan_for(shapes, world, 2**62).loads()
+    bound = assignment_lower_bound(ns_costs(shapes), world)
+    return {"world": world, "matrices": len(shapes), "over_bound": max(loads) / bound,
+            "over_mean": max(loads) * world / sum(loads)}  # fmt: skip
+
+
+def _spread(sent: list[int]) -> dict:
+    return {"max_mib": max(sent) * WIRE_BYTES / 2**20, "mean_mib": sum(sent) / len(sent) * WIRE_BYTES / 2**20}
+
+
+def hsdp(shapes: list[tuple[int, int]], replicas: int, shards: int) -> dict:
+    """{scheme: MiB sent per rank (max, mean) and the busiest rank's NS GFLOP} on R x S HSDP."""
+    world, costs = replicas * shards, ns_costs(shapes)
+    rows_only = row_sharded(shapes, shards)
+    per_replica = build_plan(rows_only, costs, shards, 2**40, WIRE_BYTES)
+    ours = build_plan([replicated(m, replicas) for m in rows_only], costs, world, 2**40, WIRE_BYTES)
+    two_step = []
+    for rank in range(world):
+        replica = rank // shards
+        sent = 0
+        for j, m in enumerate(ours.matrices):
+            owner = ours.owners[j]
+            if owner != rank and rank in ours.senders[j]:  # forward: one copy to the owner
+                sent += m.pieces[rank].numel
+            if owner == rank:  # return inside the owner's shard group
+                sent += sum(m.pieces[r].numel for r in range(replica * shards, (replica + 1) * shards) if r != rank)
+            if owner // shards == replica:  # all-gather across replicas: my rows to R-1 others
+                sent += (replicas - 1) * m.pieces[rank].numel
+        two_step.append(sent)
+    gather_all = [sum(m.pieces[s].numel for m in rows_only) * (shards - 1) for s in range(shards)]
+    busiest = max(ours.loads()) / 1e9
+    return {
+        "per-replica": {**_spread([per_replica.elements_moved(r) for r in range(shards)]),
+                        "ns_gflop": max(per_replica.loads()) / 1e9},
+        "DMuonFSDP": {**_spread([ours.elements_moved(r) for r in range(world)]), "ns_gflop": busiest},
+        "a2a + all-gather": {**_spread(two_step), "ns_gflop": busiest},
+        "gather-all": {**_spread(gather_all), "ns_gflop": sum(costs) / 1e9},
+    }  # fmt: skip
+
+
+def step_report(args: argparse.Namespace) -> dict:
     args.tflops = args.tflops or GPUS[args.gpu]["tflops"]
     args.hbm_gbs = args.hbm_gbs or GPUS[args.gpu]["hbm_gbs"]
-    results = {m: [simulate(MODELS[m], w, args) for w in args.world_sizes] for m in args.models}
+    models = args.models or ["llama-1b", "llama3-8b", "llama3-70b", "mixtral-8x7b"]
+    results = {m: [simulate(MODELS[m], w, args) for w in args.world_sizes] for m in models}
     title = (f"{args.gpu}: {args.tflops:g} TFLOP/s x {args.ns_efficiency:g}, {args.link_gbs:g} GB/s link, "
              f"{args.hbm_gbs:g} GB/s HBM")  # fmt: skip
     print(f"## Predicted optimizer step, {title}\n")
@@ -136,11 +191,62 @@ def main() -> None:
                      f"{r['gather_ms']:.1f}", f"{r['adamw_ms']:.2f}", f"{r['gather_ms'] / ms[first]:.1f}x",
                      *(f"{ms[first] / ms[a]:.2f}x" for a in algorithms[1:])]  # fmt: skip
             print("| " + " | ".join(map(str, cells)) + " |")
-    out = Path(args.out)
+    plot(results, Path(args.out).with_suffix(".png"), title)
+    return results
+
+
+def balance_report(args: argparse.Namespace) -> dict:
+    models = args.models or ["gpt2-124m", "llama-1b", "llama3-8b", "llama3-70b"]
+    results = {m: [balance(MODELS[m], w) for w in args.world_sizes] for m in models}
+    print("| model | matrices | W | busiest / lower bound | busiest / mean |")
+    print("|---|---:|---:|---:|---:|")
+    for model, rows in results.items():
+        for r in rows:
+            print(f"| {model} | {r['matrices']} | {r['world']} | {r['over_bound']:.4f} | {r['over_mean']:.4f} |")
+    return results
+
+
+def hsdp_report(args: argparse.Namespace) -> dict:
+    models = args.models or ["gpt2-124m", "llama3-8b"]
+    results = {}
+    print("| model | R x S | scheme | MiB sent / rank / step: max | mean | busiest rank NS GFLOP |")
+    print("|---|---|---|---:|---:|---:|")
+    for model in models:
+        results[model] = {"elements": sum(r * c for r, c in MODELS[model]), "meshes": {}}
+        for mesh in args.meshes:
+            replicas, shards = (int(n) for n in mesh.split("x"))
+            schemes = results[model]["meshes"][mesh] = hsdp(MODELS[model], replicas, shards)
+            for scheme, r in schemes.items():
+                print(f"| {model} | {mesh} | {scheme} | {r['max_mib']:.1f} | {r['mean_mib']:.1f} | {r['ns_gflop']:.1f} |")
+    return results
+
+
+REPORTS = {"step": step_report, "balance": balance_report, "hsdp": hsdp_report}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report", default="step", choices=list(REPORTS))
+    parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
+    parser.add_argument("--tflops", type=float, default=None, help="peak dense bf16 TFLOP/s (default: the GPU's)")
+    parser.add_argument("--hbm-gbs", type=float, default=None, help="memory bandwidth GB/s (default: the GPU's)")
+    parser.add_argument("--link-gbs", type=float, default=50.0, help="network GB/s per GPU, each direction")
+    parser.add_argument("--ns-efficiency", type=float, default=0.5, help="achieved fraction of peak in NS")
+    parser.add_argument("--ns-steps", type=int, default=5)
+    parser.add_argument("--ns-algorithms", nargs="+", default=["standard", "auto"], choices=NS_ALGORITHMS,
+                        help="DMuonFSDP's ns_algorithm, one predicted step per entry")  # fmt: skip
+    parser.add_argument("--bucket-mib", type=int, default=128)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--meshes", nargs="+", default=["2x4", "4x8", "8x8"], help="HSDP replicas x shards")
+    parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS), help="default: per report")
+    parser.add_argument("--out", default=None, help="JSON (default: runs/bench/simulate_<report>.json)")
+    args = parser.parse_args()
+    out = Path(args.out or f"runs/bench/simulate_{args.report}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    args.out = str(out)
+    results = REPORTS[args.report](args)
     out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    plot(results, out.with_suffix(".png"), title)
-    print(f"\nJSON: {out}\nplot: {out.with_suffix('.png')}")
+    print(f"\nJSON: {out}" + (f"\nplot: {out.with_suffix('.png')}" if args.report == "step" else ""))
 
 
 if __name__ == "__main__":

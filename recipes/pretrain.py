@@ -1,13 +1,13 @@
 """Pretrain a Llama-style decoder with FSDP2 and DMuonFSDP, AdamW or torch.optim.Muon.
 
-    torchrun --nproc-per-node 2 recipes/pretrain.py --preset cpu-demo --optimizer dmuon
+    torchrun --nproc-per-node 2 -m recipes.pretrain --preset cpu-demo --optimizer dmuon
 
 CPU: gloo, fp32. CUDA: NCCL with a bf16 MixedPrecisionPolicy. The default corpus is the Python
 standard library's source at byte level (no download); --data takes a nanoGPT uint16 token file
 and --text a plain text file. The run dir gets config.json (every setting), metrics.jsonl (one
 line per step), summary.json (at the end) and checkpoints/step_N. A used run dir is continued
 only with --resume and replaced only with --overwrite. Bad input stops every rank with status 2
-and one "error: ..." line before anything is built or written. `python recipes/pretrain.py`
+and one "error: ..." line before anything is built or written. `python -m recipes.pretrain`
 without torchrun trains in one process.
 """
 
@@ -30,11 +30,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups  # noqa: E402
-from recipes import checkpoint, options, run_dir  # noqa: E402
-from recipes.data import (  # noqa: E402
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups
+from recipes import checkpoint, options, run_dir
+from recipes.data import (
     Corpus,
     batch_for_step,
     stdlib_corpus,
@@ -42,9 +41,9 @@ from recipes.data import (  # noqa: E402
     token_file_corpus,
     validation_batches,
 )
-from recipes.metrics import MetricsLog, flops_per_token, peak_memory_mb, peak_tflops, step_times  # noqa: E402
-from recipes.model import ModelConfig, Transformer, preset  # noqa: E402
-from recipes.options import UsageError  # noqa: E402
+from recipes.metrics import MetricsLog, flops_per_token, peak_memory_mb, peak_tflops, step_times
+from recipes.model import ModelConfig, Transformer, preset
+from recipes.options import UsageError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,7 +136,7 @@ def setup_distributed(args: argparse.Namespace) -> torch.device:
     if not dist.is_initialized():
         if "RANK" in os.environ:  # torchrun
             dist.init_process_group("nccl" if cuda else "gloo")
-        else:  # plain `python recipes/pretrain.py`: one process
+        else:  # plain `python -m recipes.pretrain`: one process
             dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))

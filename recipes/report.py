@@ -1,8 +1,8 @@
 """Summarise pretraining runs: a Markdown table and a figure of their loss curves.
 
-    python recipes/report.py ROOT       -> ROOT/summary.md, ROOT/loss.png
+    python -m recipes.report ROOT       -> ROOT/summary.md, ROOT/loss.png
 
-A run is a directory holding config.json and metrics.jsonl, as recipes/pretrain.py writes them; runs
+A run is a directory holding config.json and metrics.jsonl, as recipes.pretrain writes them; runs
 are found at any depth under ROOT, and ROOT may itself be one. Each run is a table row; a run
 without summary.json (still training, or stopped) is described by its metrics and marked
 unfinished. The figure shows train loss (running mean) against step and against wall-clock time,
@@ -18,9 +18,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.metrics import step_times  # noqa: E402
+from recipes.metrics import step_times
 
 SUMMARY_KEYS = ("lr", "steps", "final_val_loss", "median_step_ms", "optimizer_share", "peak_memory_mb")
 

@@ -1,7 +1,7 @@
 """Sample from a pretraining run's checkpoint, in one process (torch.distributed not initialized).
 
-    python recipes/sample.py --run-dir runs/cpu-demo-dmuon --prompt "def "
-    python recipes/sample.py --run-dir runs/gpt --prompt-ids 50256,464 --tokens 50
+    python -m recipes.sample --run-dir runs/cpu-demo-dmuon --prompt "def "
+    python -m recipes.sample --run-dir runs/gpt --prompt-ids 50256,464 --tokens 50
 
 The model is rebuilt from the run's config.json and loaded from its newest complete checkpoint
 (or --checkpoint), whatever number of ranks wrote it: torch.distributed.checkpoint reshards on
@@ -19,11 +19,10 @@ from typing import NoReturn
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes import checkpoint  # noqa: E402
-from recipes.model import ModelConfig, Transformer  # noqa: E402
-from recipes.options import HelpFormatter, Parser, UsageError  # noqa: E402
+from recipes import checkpoint
+from recipes.model import ModelConfig, Transformer
+from recipes.options import HelpFormatter, Parser, UsageError
 
 
 def fail(message: str) -> NoReturn:

@@ -3,7 +3,7 @@
 # standard library's source with DMuonFSDP and with AdamW (same seed, data and steps), on 2 CPU
 # ranks (or every GPU when present), print the summary table (the loss plot goes to
 # runs/demo/loss.png) and a sample of text from the DMuonFSDP model's final checkpoint.
-# A rerun replaces the previous demo (--overwrite). Extra arguments go to recipes/pretrain.py
+# A rerun replaces the previous demo (--overwrite). Extra arguments go to recipes.pretrain
 # (e.g. --steps 100).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,9 +15,9 @@ else
 fi
 OUT=${OUT:-runs/demo}
 for opt in dmuon adamw; do
-    .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" recipes/pretrain.py \
+    .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m recipes.pretrain \
         --preset "${PRESET:-cpu-demo}" --optimizer "$opt" --run-dir "$OUT/$opt" --overwrite --save-final "$@"
 done
-.venv/bin/python recipes/report.py "$OUT"
-echo; echo "A sample from the DMuonFSDP model (recipes/sample.py):"
-.venv/bin/python recipes/sample.py --run-dir "$OUT/dmuon" --prompt "def " --tokens 200
+.venv/bin/python -m recipes.report "$OUT"
+echo; echo "A sample from the DMuonFSDP model (python -m recipes.sample):"
+.venv/bin/python -m recipes.sample --run-dir "$OUT/dmuon" --prompt "def " --tokens 200

@@ -13,14 +13,14 @@ GPUS=$(nvidia-smi -L | wc -l)
 step() { echo; echo "== $*"; local t=$1; shift; timeout "$t" "$@" 2>&1 | grep -v -e "Warning" -e "^W1" -e "^\*\*\*"; }
 nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-step 150 torchrun --standalone --nproc-per-node "$GPUS" scripts/check_cuda.py
-step 90 python3 scripts/bench_optimizer.py --ns-throughput --out "$OUT/bench.json"
-step 90 python3 scripts/bench_optimizer.py --ns-throughput --preset 124m --out "$OUT/bench_124m_ns.json"
-step 150 python3 scripts/bench_optimizer.py --world-size "$GPUS" --preset 124m --out "$OUT/bench_124m.json"
-step 120 python3 scripts/bench_ns_forms.py --presets cpu-bench 124m 1b --dtype bfloat16 --out "$OUT/ns_forms.json"
-step 120 python3 scripts/bench_ns_forms.py --step --preset 124m --world-size "$GPUS" --steps 30 --out "$OUT/ns_forms_step.json"
+step 150 torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.check_cuda
+step 90 python3 -m benchmarks.bench_optimizer --ns-throughput --out "$OUT/bench.json"
+step 90 python3 -m benchmarks.bench_optimizer --ns-throughput --preset 124m --out "$OUT/bench_124m_ns.json"
+step 150 python3 -m benchmarks.bench_optimizer --world-size "$GPUS" --preset 124m --out "$OUT/bench_124m.json"
+step 120 python3 -m benchmarks.bench_ns_forms --presets cpu-bench 124m 1b --dtype bfloat16 --out "$OUT/ns_forms.json"
+step 120 python3 -m benchmarks.bench_ns_forms --step --preset 124m --world-size "$GPUS" --steps 30 --out "$OUT/ns_forms_step.json"
 for opt in dmuon adamw; do
-    step 150 torchrun --standalone --nproc-per-node "$GPUS" recipes/pretrain.py --preset 124m --optimizer $opt \
+    step 150 torchrun --standalone --nproc-per-node "$GPUS" -m recipes.pretrain --preset 124m --optimizer $opt \
         --steps 60 --val-every 30 --no-progress --run-dir "$OUT/pretrain_$opt"
 done
 step 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_meshes.py tests/test_layouts.py tests/test_single_process.py

@@ -5,9 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-400}
 run() {
-    .venv/bin/torchrun --standalone --nproc-per-node 2 recipes/pretrain.py --preset cpu-demo --no-progress \
+    .venv/bin/torchrun --standalone --nproc-per-node 2 -m recipes.pretrain --preset cpu-demo --no-progress \
         --steps "$STEPS" --optimizer "$1" --lr "$2" --run-dir "runs/sweep/$1-lr$2" --overwrite "${@:3}"
 }
 for lr in 0.005 0.01 0.02 0.04; do run dmuon "$lr"; done
 for lr in 0.001 0.003 0.006; do run adamw "$lr"; done
-.venv/bin/python recipes/report.py runs/sweep
+.venv/bin/python -m recipes.report runs/sweep

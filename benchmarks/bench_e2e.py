@@ -19,26 +19,53 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-from dmuon_fsdp import param_groups
-from dmuon_fsdp.newton_schulz import newton_schulz_flops
-from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts
-from dmuon_fsdp.planner import build_plan
 from benchmarks.matmul_floor import bmm_seconds
+from dmuon_fsdp import param_groups
+from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts
+from dmuon_fsdp.newton_schulz import newton_schulz_flops
+from dmuon_fsdp.planner import build_plan
 from recipes.model import PRESETS, Transformer, preset
+
+ROOT = Path(__file__).resolve().parents[1]
 
 OPTIMIZERS = ["adamw", "torch-muon", "dmuon"]
 
 
 def run(optimizer: str, world: int, args: argparse.Namespace) -> dict:
     run_dir = Path(args.out) / f"{optimizer}-w{world}"
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={world}",
-           "-m", "recipes.pretrain", "--preset", args.preset, "--optimizer", optimizer,
-           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--val-every", str(10**9),
-           "--val-batches", "1", "--threads", "1", "--no-progress", "--run-dir", str(run_dir), "--overwrite"]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "recipes.pretrain",
+        "--preset",
+        args.preset,
+        "--optimizer",
+        optimizer,
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--val-every",
+        str(10**9),
+        "--val-batches",
+        "1",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--run-dir",
+        str(run_dir),
+        "--overwrite",
+    ]
+    subprocess.run(
+        cmd,
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -46,7 +73,9 @@ def dmuon_ns_floor_ms(cfg, world: int) -> tuple[float, float]:
     """(busiest rank's NS GFLOP, its bmm floor in ms) for the model's Muon matrices."""
     torch.set_num_threads(1)
     shapes = [tuple(p.shape) for _, p in param_groups(Transformer(cfg))[0]["params"]]
-    layouts = [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)]
+    layouts = [
+        MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)
+    ]
     plan = build_plan(layouts, [newton_schulz_flops(r, c, 5) for r, c in shapes], world, 128 * 2**20, 4)
     loads = plan.loads()
     busiest = max(range(world), key=loads.__getitem__)
@@ -55,7 +84,9 @@ def dmuon_ns_floor_ms(cfg, world: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="cpu-demo", choices=sorted(PRESETS))
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, choices=OPTIMIZERS)
@@ -80,14 +111,23 @@ def main() -> None:
 
 
 def report(results: dict, cfg, args: argparse.Namespace) -> None:
-    total_flops = sum(newton_schulz_flops(*p.shape, 5) for _, p in param_groups(Transformer(cfg))[0]["params"])
-    print(f"\n## End-to-end step, preset {args.preset}, global batch {args.batch_size} x {cfg.seq_len} tokens, "
-          f"1 thread per rank, {args.steps} steps (median after 5)\n")  # fmt: skip
-    print(f"NS per step: {total_flops / 1e9:.2f} GFLOP in all. Forward+backward is the same work for every "
-          "optimizer, so the overhead is measured on the optimizer phase: (optimizer ms - AdamW's optimizer ms) "
-          "/ AdamW's step ms; the whole-step ratio is shown beside it.\n")  # fmt: skip
-    print("| W | optimizer | step ms | optimizer ms | optimizer share | overhead vs AdamW | step / AdamW step "
-          "| lower bound of the overhead (NS floor) |")  # fmt: skip
+    total_flops = sum(
+        newton_schulz_flops(*p.shape, 5) for _, p in param_groups(Transformer(cfg))[0]["params"]
+    )
+    print(
+        f"\n## End-to-end step, preset {args.preset}, global batch {args.batch_size} x {cfg.seq_len} tokens, "
+        f"1 thread per rank, {args.steps} steps (median after 5)\n"
+    )
+    print(
+        f"NS per step: {total_flops / 1e9:.2f} GFLOP in all. Forward+backward is the same work for every "
+        "optimizer, so the overhead is measured on the optimizer phase: (optimizer ms - AdamW's optimizer "
+        "ms) "
+        "/ AdamW's step ms; the whole-step ratio is shown beside it.\n"
+    )
+    print(
+        "| W | optimizer | step ms | optimizer ms | optimizer share | overhead vs AdamW | step / AdamW step "
+        "| lower bound of the overhead (NS floor) |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for world, r in sorted(results.items()):
         base = r["summaries"].get("adamw")
@@ -98,8 +138,11 @@ def report(results: dict, cfg, args: argparse.Namespace) -> None:
                 ratio = f"{s['median_step_ms'] / base['median_step_ms']:.2f}x"
                 if opt == "dmuon":
                     bound = f"{r['ns_floor_ms'] / base['median_step_ms']:+.1%} ({r['ns_floor_ms']:.1f} ms)"
-            print(f"| {world} | {opt} | {s['median_step_ms']:.1f} | {s['median_opt_ms']:.1f} | "
-                  f"{s['optimizer_share']:.1%} | {over} | {ratio} | {bound} |")  # fmt: skip
+            print(
+                f"| {world} | {opt} | {s['median_step_ms']:.1f} | {s['median_opt_ms']:.1f} | "
+                f"{s['optimizer_share']:.1%} | {over} | {ratio} | {bound} |"
+            )
+
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 from dmuon_fsdp import DMuonFSDP, param_groups
 from recipes.model import Transformer, preset
 from tests.instruments import CollectiveCalls, HostReads, OpCounter
@@ -92,8 +91,13 @@ def measure(names: list[str], model: torch.nn.Module, steps: int, warmup: int) -
         with OpCounter() as counter, HostReads() as reads:
             opt.step()
         top = ", ".join(f"{op} {n}" for op, n in counter.ops.most_common(6))
-        result[name] = {"ops": sum(counter.ops.values()), "host_reads": reads.count, "top_ops": top, "times": [],
-                        "in_collectives": []}  # fmt: skip
+        result[name] = {
+            "ops": sum(counter.ops.values()),
+            "host_reads": reads.count,
+            "top_ops": top,
+            "times": [],
+            "in_collectives": [],
+        }
     rounds = max(1, steps // 5)
     for _ in range(rounds):
         for name, opt in optimizers.items():
@@ -119,10 +123,14 @@ def measure(names: list[str], model: torch.nn.Module, steps: int, warmup: int) -
     return result
 
 
-def run_case(rank: int, world: int, kind: str | None, blocks: int, args: argparse.Namespace, out: str) -> None:
+def run_case(
+    rank: int, world: int, kind: str | None, blocks: int, args: argparse.Namespace, out: str
+) -> None:
     torch.set_num_threads(1)
     if kind == "gloo":
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world
+        )
     elif kind == "fake":
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -139,7 +147,9 @@ def run_case(rank: int, world: int, kind: str | None, blocks: int, args: argpars
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
     parser.add_argument("--steps", type=int, default=200, help="timed steps per contender")
@@ -175,23 +185,32 @@ def report(results: dict) -> None:
         print(f"| {case} | {r['params']} | {cells} |")
     ns = [f"{case} {r['dmuon']['ns_ms']:.3f}" for case, r in results.items() if "ns_ms" in r.get("dmuon", {})]
     print("\nof which Newton-Schulz (dmuon, ms, timed with time_phases): " + ", ".join(ns))
-    outside = [f"{case} {r['dmuon']['outside_collectives_ms']:.3f}" for case, r in results.items() if "dmuon" in r]
+    outside = [
+        f"{case} {r['dmuon']['outside_collectives_ms']:.3f}" for case, r in results.items() if "dmuon" in r
+    ]
     print("dmuon host ms outside torch.distributed calls: " + ", ".join(outside))
     if "adamw-fused" in names:
         print("\nhost time / fused AdamW's, same case:")
         for case, r in results.items():
-            ratios = ", ".join(f"{n} {r[n]['host_ms'] / r['adamw-fused']['host_ms']:.2f}x" for n in names
-                               if n != "adamw-fused")  # fmt: skip
+            ratios = ", ".join(
+                f"{n} {r[n]['host_ms'] / r['adamw-fused']['host_ms']:.2f}x"
+                for n in names
+                if n != "adamw-fused"
+            )
             print(f"- {case}: {ratios}")
     if "w2" in results:
         print("\nagainst W=2 (ops, host time, host time outside torch.distributed calls):")
         for case in ("fake64", "fake1024", "w2-80"):
             if case in results:
                 ratios = ", ".join(
-                    f"{n} " + " / ".join(f"{results[case][n][k] / results['w2'][n][k]:.2f}x"
-                                        for k in ("ops", "host_ms", "outside_collectives_ms"))
-                    for n in names if n != "adamw-fused"
-                )  # fmt: skip
+                    f"{n} "
+                    + " / ".join(
+                        f"{results[case][n][k] / results['w2'][n][k]:.2f}x"
+                        for k in ("ops", "host_ms", "outside_collectives_ms")
+                    )
+                    for n in names
+                    if n != "adamw-fused"
+                )
                 print(f"- {case}: {ratios}")
     print("\nmost frequent ops (dmuon):")
     for case, r in results.items():

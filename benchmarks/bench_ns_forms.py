@@ -22,7 +22,6 @@ import argparse
 import json
 import socket
 import statistics
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from benchmarks.bench_optimizer import sharded_model
+from benchmarks.matmul_floor import sync
 from dmuon_fsdp import DMuonFSDP, param_groups
 from dmuon_fsdp.newton_schulz import (
     MUON_COEFFICIENTS,
@@ -44,8 +43,6 @@ from dmuon_fsdp.newton_schulz import (
     resolve_coefficients,
     segments_flops,
 )
-from benchmarks.bench_optimizer import sharded_model
-from benchmarks.matmul_floor import sync
 from recipes.model import PRESETS, Transformer, preset
 
 
@@ -56,7 +53,9 @@ def preset_shapes(name: str) -> Counter:
     return Counter((min(p.shape), max(p.shape)) for _, p in param_groups(model)[0]["params"])
 
 
-def ns_seconds(stack: torch.Tensor, coefficients, forms: dict[str, tuple[int, ...]], repeats: int) -> dict[str, float]:
+def ns_seconds(
+    stack: torch.Tensor, coefficients, forms: dict[str, tuple[int, ...]], repeats: int
+) -> dict[str, float]:
     """Best time of ``orthogonalize_`` on a copy of ``stack`` (the copy is not timed) per form,
     the forms taking turns so that the machine's drift hits them alike."""
     works = {name: Workspace.for_stack(stack, segments) for name, segments in forms.items()}
@@ -84,14 +83,26 @@ def shape_table(args: argparse.Namespace, device: torch.device, dtype: torch.dty
             forms = {alg: ns_segments(alg, coefficients, dtype, s, l) for alg in ("standard", "gram")}
             seconds = ns_seconds(stack, coefficients, forms, args.repeats)
             flops = {alg: batch * segments_flops(s, l, seg) for alg, seg in forms.items()}
-            rows.append({"preset": name, "shape": (s, l), "batch": batch, "segments": forms, "flops": flops,
-                         "seconds": seconds, "auto": ns_segments("auto", coefficients, dtype, s, l) == forms["gram"]})  # fmt: skip
+            rows.append(
+                {
+                    "preset": name,
+                    "shape": (s, l),
+                    "batch": batch,
+                    "segments": forms,
+                    "flops": flops,
+                    "seconds": seconds,
+                    "auto": ns_segments("auto", coefficients, dtype, s, l) == forms["gram"],
+                }
+            )
             r = rows[-1]
-            print(f"| {name} | {s} x {l} | {batch} | {forms['gram']} | {flops['standard'] / 1e9:.2f} | "
-                  f"{flops['gram'] / 1e9:.2f} | {seconds['standard'] * 1e3:.1f} | {seconds['gram'] * 1e3:.1f} | "
-                  f"{_ratio(r, 'flops'):.2f} | {_ratio(r, 'seconds'):.2f} | "
-                  f"{_ratio(r, 'seconds') / _ratio(r, 'flops'):.2f} | {'gram' if r['auto'] else 'standard'} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {name} | {s} x {l} | {batch} | {forms['gram']} | {flops['standard'] / 1e9:.2f} | "
+                f"{flops['gram'] / 1e9:.2f} | {seconds['standard'] * 1e3:.1f} | {seconds['gram'] * 1e3:.1f} "
+                "| "
+                f"{_ratio(r, 'flops'):.2f} | {_ratio(r, 'seconds'):.2f} | "
+                f"{_ratio(r, 'seconds') / _ratio(r, 'flops'):.2f} | {'gram' if r['auto'] else 'standard'} |",
+                flush=True,
+            )
     return rows
 
 
@@ -102,7 +113,9 @@ def _ratio(row: dict, key: str) -> float:
 def step_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     device, model = sharded_model(rank, world, port, args.preset, args.cpu, threads=1)
     dtype = getattr(torch, args.dtype) if args.dtype else default_ns_dtype(device)
-    optimizers = {alg: DMuonFSDP(param_groups(model), ns_algorithm=alg, ns_dtype=dtype) for alg in args.algorithms}
+    optimizers = {
+        alg: DMuonFSDP(param_groups(model), ns_algorithm=alg, ns_dtype=dtype) for alg in args.algorithms
+    }
     torch.manual_seed(1)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -125,10 +138,17 @@ def step_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         flops[alg] = mine.item()
     if rank == 0:
-        result = {alg: {"median_s": statistics.median(v), "min_s": min(v), "busiest_ns_flops": flops[alg]}
-                  for alg, v in samples.items()}  # fmt: skip
-        result["meta"] = {"preset": args.preset, "world_size": world, "device": str(device), "dtype": str(dtype),
-                          "steps": args.steps}  # fmt: skip
+        result = {
+            alg: {"median_s": statistics.median(v), "min_s": min(v), "busiest_ns_flops": flops[alg]}
+            for alg, v in samples.items()
+        }
+        result["meta"] = {
+            "preset": args.preset,
+            "world_size": world,
+            "device": str(device),
+            "dtype": str(dtype),
+            "steps": args.steps,
+        }
         Path(args.out).write_text(json.dumps(result, indent=2))
     dist.destroy_process_group()
 
@@ -136,27 +156,47 @@ def step_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
 def step_report(result: dict) -> None:
     meta = result.pop("meta")
     base = result[next(iter(result))]
-    print(f"\n## DMuonFSDP step by ns_algorithm, preset {meta['preset']}, W={meta['world_size']}, {meta['device']}, "
-          f"NS in {meta['dtype']}, {meta['steps']} interleaved steps\n")  # fmt: skip
+    print(
+        f"\n## DMuonFSDP step by ns_algorithm, preset {meta['preset']}, W={meta['world_size']}, "
+        f"{meta['device']}, "
+        f"NS in {meta['dtype']}, {meta['steps']} interleaved steps\n"
+    )
     first = next(iter(result))
-    print(f"| ns_algorithm | median ms | min ms | busiest rank NS GFLOP | {first} / this (time) | {first} / this (flops) |")
+    print(
+        f"| ns_algorithm | median ms | min ms | busiest rank NS GFLOP | {first} / this (time) | {first} / "
+        "this (flops) |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for alg, r in result.items():
-        print(f"| {alg} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | {r['busiest_ns_flops'] / 1e9:.3f} | "
-              f"{base['median_s'] / r['median_s']:.2f}x | {base['busiest_ns_flops'] / r['busiest_ns_flops']:.2f}x |")  # fmt: skip
+        print(
+            f"| {alg} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | "
+            f"{r['busiest_ns_flops'] / 1e9:.3f} | "
+            f"{base['median_s'] / r['median_s']:.2f}x | "
+            f"{base['busiest_ns_flops'] / r['busiest_ns_flops']:.2f}x |"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--presets", nargs="+", default=["cpu-bench", "124m", "1b"], choices=sorted(PRESETS))
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                        help="NS dtype (default: bf16 on CUDA, fp32 on CPU)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="NS dtype (default: bf16 on CUDA, fp32 on CPU)",
+    )
     parser.add_argument("--ns-steps", type=int, default=5)
     parser.add_argument("--max-batch", type=int, default=4, help="matrices per stack at most (shapes mode)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per shape and form (shapes mode)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the shapes mode on CPU: 1, as each rank runs (2 threads on this "
-                             "2-core machine moved the ratios by 30%% between runs)")  # fmt: skip
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the shapes mode on CPU: 1, as each rank runs (2 threads on this "
+        "2-core machine moved the ratios by 30%% between runs)",
+    )
     parser.add_argument("--step", action="store_true", help="time the whole DMuonFSDP step instead")
     parser.add_argument("--preset", default="cpu-bench", choices=sorted(PRESETS), help="model of --step")
     parser.add_argument("--world-size", type=int, default=2)
@@ -180,10 +220,15 @@ def main() -> None:
     device = torch.device("cuda") if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else default_ns_dtype(device)
-    print(f"## Newton-Schulz per shape, {args.ns_steps} iterations, {dtype}, {device} "
-          f"({torch.get_num_threads()} threads), best of {args.repeats}\n")  # fmt: skip
-    print("| preset | shape (s x l) | batch | Gram segments | standard GFLOP | Gram GFLOP | standard ms | Gram ms "
-          "| flop ratio | time ratio | time / flop ratio | auto picks |")  # fmt: skip
+    print(
+        f"## Newton-Schulz per shape, {args.ns_steps} iterations, {dtype}, {device} "
+        f"({torch.get_num_threads()} threads), best of {args.repeats}\n"
+    )
+    print(
+        "| preset | shape (s x l) | batch | Gram segments | standard GFLOP | Gram GFLOP | standard ms | "
+        "Gram ms "
+        "| flop ratio | time ratio | time / flop ratio | auto picks |"
+    )
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = shape_table(args, device, dtype)
     out.write_text(json.dumps({"device": str(device), "dtype": str(dtype), "rows": rows}, indent=2))

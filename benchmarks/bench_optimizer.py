@@ -21,7 +21,6 @@ import argparse
 import json
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -31,16 +30,22 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from benchmarks.gather_muon import GatherAllMuon
+from benchmarks.matmul_floor import bmm_seconds, ns_throughput_report
 from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups
 from dmuon_fsdp.newton_schulz import default_ns_dtype
 from dmuon_fsdp.stats import PHASES
-from benchmarks.gather_muon import GatherAllMuon
-from benchmarks.matmul_floor import bmm_seconds, ns_throughput_report
 from recipes.model import PRESETS, Transformer, preset
 
-CONTENDERS = ["adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap", "dmuon-qk-clip"]
+CONTENDERS = [
+    "adamw",
+    "adamw-fused",
+    "torch-muon",
+    "gather-muon",
+    "dmuon",
+    "dmuon-no-overlap",
+    "dmuon-qk-clip",
+]
 
 
 class ClippedStep:
@@ -50,8 +55,11 @@ class ClippedStep:
     def __init__(self, model: torch.nn.Module, ns_dtype: torch.dtype):
         self.opt = DMuonFSDP(param_groups(model), ns_dtype=ns_dtype)
         attention = [block.attention for block in model.layers]
-        self.clip = QKClip(self.opt, [AttentionWeights(a.wq.weight, a.wk.weight, a.n_heads, a.n_kv_heads)
-                                      for a in attention], tau=1.0)  # fmt: skip
+        self.clip = QKClip(
+            self.opt,
+            [AttentionWeights(a.wq.weight, a.wk.weight, a.n_heads, a.n_kv_heads) for a in attention],
+            tau=1.0,
+        )
         self.logits = [torch.full((a.n_heads,), 2.0, device=a.wq.weight.device) for a in attention]
 
     def step(self) -> None:
@@ -88,16 +96,22 @@ def timed_steps(optimizers: list, steps: int, warmup: int, device: torch.device)
             opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        sample = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu], dtype=torch.float64,
-                              device=device)  # NCCL reduces device tensors only
+        sample = torch.tensor(
+            [time.perf_counter() - start, time.process_time() - start_cpu], dtype=torch.float64, device=device
+        )  # NCCL reduces device tensors only
         slowest, total_cpu = sample.clone(), sample.clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         dist.all_reduce(total_cpu)
         if i >= warmup:
             wall.append(slowest[0].item())
             cpu.append(total_cpu[1].item())
-    return {"median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall),
-            "cpu_total_s": statistics.median(cpu), "steps": steps}  # fmt: skip
+    return {
+        "median_s": statistics.median(wall),
+        "min_s": min(wall),
+        "max_s": max(wall),
+        "cpu_total_s": statistics.median(cpu),
+        "steps": steps,
+    }
 
 
 def dmuon_breakdown(model, ns_dtype, steps, device, world) -> dict:
@@ -135,8 +149,9 @@ def sharded_model(rank: int, world: int, port: int, preset_name: str, cpu: bool,
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(threads)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     torch.manual_seed(0)
     model = Transformer(preset(preset_name)).to(device)
     mesh = init_device_mesh(device.type, (world,))
@@ -156,12 +171,19 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         steps = args.slow_steps if name == "torch-muon" and not cuda else args.steps
-        results["contenders"][name] = timed_steps(make_optimizers(name, model, ns_dtype), steps, args.warmup, device)
+        results["contenders"][name] = timed_steps(
+            make_optimizers(name, model, ns_dtype), steps, args.warmup, device
+        )
     if "dmuon" in args.contenders:
         results["dmuon_breakdown"] = dmuon_breakdown(model, ns_dtype, args.steps, device, world)
     if rank == 0:
-        results.update(world_size=world, preset=args.preset, device=str(device), ns_dtype=str(ns_dtype),
-                       threads_per_rank=args.threads)  # fmt: skip
+        results.update(
+            world_size=world,
+            preset=args.preset,
+            device=str(device),
+            ns_dtype=str(ns_dtype),
+            threads_per_rank=args.threads,
+        )
         Path(args.out).write_text(json.dumps(results, indent=2))
     dist.destroy_process_group()
 
@@ -169,33 +191,49 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 def report(results: dict, out: Path) -> None:
     contenders = results["contenders"]
     base = contenders.get("dmuon")
-    print(f"\n## Optimizer step, preset {results['preset']}, W={results['world_size']}, {results['device']}, "
-          f"NS in {results['ns_dtype']}\n")  # fmt: skip
-    print("| contender | median ms | min ms | max ms | steps | wall / DMuonFSDP | CPU time, all ranks (ms) | CPU / DMuonFSDP |")
+    print(
+        f"\n## Optimizer step, preset {results['preset']}, W={results['world_size']}, {results['device']}, "
+        f"NS in {results['ns_dtype']}\n"
+    )
+    print(
+        "| contender | median ms | min ms | max ms | steps | wall / DMuonFSDP | CPU time, all ranks (ms) | "
+        "CPU / DMuonFSDP |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in contenders.items():
         wall = f"{r['median_s'] / base['median_s']:.2f}x" if base else "-"
         cpu = f"{r['cpu_total_s'] / base['cpu_total_s']:.2f}x" if base else "-"
-        print(f"| {name} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | {r['max_s'] * 1e3:.1f} | "
-              f"{r['steps']} | {wall} | {r['cpu_total_s'] * 1e3:.1f} | {cpu} |")  # fmt: skip
+        print(
+            f"| {name} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | {r['max_s'] * 1e3:.1f} | "
+            f"{r['steps']} | {wall} | {r['cpu_total_s'] * 1e3:.1f} | {cpu} |"
+        )
     breakdown = results.get("dmuon_breakdown")
     if breakdown:
         ranks = breakdown["ranks"]
         flops = [r["ns_flops"] for r in ranks]
-        print(f"\n## DMuonFSDP per rank ({breakdown['matrices']} matrices, {breakdown['buckets']} buckets; "
-              "phase times with timing on)\n")  # fmt: skip
-        print("| rank | " + " | ".join(f"{ph} ms" for ph in PHASES) + " | NS GFLOP | floor ms | NS efficiency "
-              "| sent MiB | received MiB | plan bound MiB |")  # fmt: skip
+        print(
+            f"\n## DMuonFSDP per rank ({breakdown['matrices']} matrices, {breakdown['buckets']} buckets; "
+            "phase times with timing on)\n"
+        )
+        print(
+            "| rank | " + " | ".join(f"{ph} ms" for ph in PHASES) + " | NS GFLOP | floor ms | NS efficiency "
+            "| sent MiB | received MiB | plan bound MiB |"
+        )
         print("|---:" * (len(PHASES) + 7) + "|")
         for i, r in enumerate(ranks):
             ns = r["seconds"]["newton_schulz"]
             eff = f"{r['floor_s'] / ns:.2f}" if ns > 0 else "-"
-            print(f"| {i} | " + " | ".join(f"{r['seconds'][ph] * 1e3:.1f}" for ph in PHASES)
-                  + f" | {r['ns_flops'] / 1e9:.2f} | {r['floor_s'] * 1e3:.1f} | {eff} | {r['bytes_sent'] / 2**20:.2f} "
-                  f"| {r['bytes_received'] / 2**20:.2f} | {r['bytes_bound'] / 2**20:.2f} |")  # fmt: skip
+            print(
+                f"| {i} | "
+                + " | ".join(f"{r['seconds'][ph] * 1e3:.1f}" for ph in PHASES)
+                + f" | {r['ns_flops'] / 1e9:.2f} | {r['floor_s'] * 1e3:.1f} | {eff} | "
+                f"{r['bytes_sent'] / 2**20:.2f} "
+                f"| {r['bytes_received'] / 2**20:.2f} | {r['bytes_bound'] / 2**20:.2f} |"
+            )
         mean = sum(flops) / len(flops)
-        print(f"\nNS load: max/mean = {max(flops) / mean:.3f}; total NS floor efficiency = "
-              f"{sum(r['floor_s'] for r in ranks) / max(1e-12, sum(r['seconds']['newton_schulz'] for r in ranks)):.2f}")  # fmt: skip
+        ns_seconds = max(1e-12, sum(r["seconds"]["newton_schulz"] for r in ranks))
+        efficiency = sum(r["floor_s"] for r in ranks) / ns_seconds
+        print(f"\nNS load: max/mean = {max(flops) / mean:.3f}; total NS floor efficiency = {efficiency:.2f}")
     plot(results, out.with_suffix(".png"))
     print(f"\nJSON: {out}\nplot: {out.with_suffix('.png')}")
 
@@ -208,7 +246,12 @@ def plot(results: dict, path: Path) -> None:
 
     names = list(results["contenders"])
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar(names, [results["contenders"][n]["median_s"] * 1e3 for n in names], color="lightgray", label="step (timing off)")
+    ax.bar(
+        names,
+        [results["contenders"][n]["median_s"] * 1e3 for n in names],
+        color="lightgray",
+        label="step (timing off)",
+    )
     breakdown = results.get("dmuon_breakdown")
     if breakdown:
         slowest = max(breakdown["ranks"], key=lambda r: sum(r["seconds"].values()))
@@ -227,18 +270,28 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--preset", default="cpu-bench", choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--slow-steps", type=int, default=3, help="timed steps of torch-muon on CPU (bf16 NS)")
+    parser.add_argument(
+        "--slow-steps", type=int, default=3, help="timed steps of torch-muon on CPU (bf16 NS)"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
     parser.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is present")
-    parser.add_argument("--ns-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="NS dtype of DMuonFSDP and gather-all Muon (auto: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument(
+        "--ns-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="NS dtype of DMuonFSDP and gather-all Muon (auto: bf16 on CUDA, fp32 on CPU)",
+    )
     parser.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
-    parser.add_argument("--ns-throughput", action="store_true", help="single device: batched NS vs torch.mm peak")
+    parser.add_argument(
+        "--ns-throughput", action="store_true", help="single device: batched NS vs torch.mm peak"
+    )
     parser.add_argument("--out", default="runs/bench/optimizer.json")
     args = parser.parse_args()
     out = Path(args.out)

@@ -61,7 +61,9 @@ def run(layout: str, ns_dtype: torch.dtype, device: torch.device, expected: dict
     if layout == "fsdp":
         fully_shard(module, mesh=init_device_mesh(device.type, (world,)))
     elif layout == "hsdp":
-        fully_shard(module, mesh=init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("rep", "shard")))
+        fully_shard(
+            module, mesh=init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("rep", "shard"))
+        )
     params = dict(module.items())
     opt = DMuonFSDP(list(params.items()), ns_dtype=ns_dtype, **OPTIONS)
     for step in range(STEPS):

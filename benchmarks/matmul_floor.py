@@ -65,7 +65,9 @@ def bmm_seconds(
     total = 0.0
     for bucket in plan.buckets:
         matrices = [plan.matrices[j] for j in plan.owned_by(bucket, rank)]
-        shapes = Counter((min(m.rows, m.cols), max(m.rows, m.cols), segments(m.rows, m.cols)) for m in matrices)
+        shapes = Counter(
+            (min(m.rows, m.cols), max(m.rows, m.cols), segments(m.rows, m.cols)) for m in matrices
+        )
         for (s, l, segments), batch in shapes.items():
             total += bmm_chain_seconds(batch, s, l, segments, dtype, device)
     return total
@@ -89,12 +91,23 @@ def ns_throughput_report(cfg, path: Path) -> None:
     ours_rate = flops / _best_seconds(ours.step, device, repeats=3)
     vanilla = torch.optim.Muon(matrices)
     vanilla_rate = flops / _best_seconds(vanilla.step, device, repeats=3)
-    result = {"device": str(device), "dtype": str(dtype), "matrices": len(matrices), "ns_gflop": flops / 1e9,
-              "mm_tflops": mm_rate / 1e12, "dmuon_ns_tflops": ours_rate / 1e12,
-              "torch_muon_tflops": vanilla_rate / 1e12}  # fmt: skip
+    result = {
+        "device": str(device),
+        "dtype": str(dtype),
+        "matrices": len(matrices),
+        "ns_gflop": flops / 1e9,
+        "mm_tflops": mm_rate / 1e12,
+        "dmuon_ns_tflops": ours_rate / 1e12,
+        "torch_muon_tflops": vanilla_rate / 1e12,
+    }
     path.write_text(json.dumps(result, indent=2))
-    print(f"| device | dtype | torch.mm {n}^2 TFLOP/s | DMuonFSDP step (batched NS) TFLOP/s | torch.optim.Muon step TFLOP/s |")
+    print(
+        f"| device | dtype | torch.mm {n}^2 TFLOP/s | DMuonFSDP step (batched NS) TFLOP/s | "
+        "torch.optim.Muon step TFLOP/s |"
+    )
     print("|---|---|---:|---:|---:|")
-    print(f"| {device} | {dtype} | {result['mm_tflops']:.3f} | {result['dmuon_ns_tflops']:.3f} | "
-          f"{result['torch_muon_tflops']:.3f} |")  # fmt: skip
+    print(
+        f"| {device} | {dtype} | {result['mm_tflops']:.3f} | {result['dmuon_ns_tflops']:.3f} | "
+        f"{result['torch_muon_tflops']:.3f} |"
+    )
     print(f"\n{len(matrices)} matrices, {result['ns_gflop']:.1f} GFLOP of NS per step; JSON: {path}")

@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 
 from dmuon_fsdp.newton_schulz import (
     NAMED_COEFFICIENTS,
@@ -63,7 +61,9 @@ def orthogonalized(m: torch.Tensor, triples, dtype: torch.dtype, segments) -> to
     return x[0].double()
 
 
-def errors(matrices: list[torch.Tensor], triples, dtype: torch.dtype, forms: list[tuple[int, ...]]) -> list[float]:
+def errors(
+    matrices: list[torch.Tensor], triples, dtype: torch.dtype, forms: list[tuple[int, ...]]
+) -> list[float]:
     """Per form, the largest relative error over ``matrices`` against float64 standard NS."""
     worst = [0.0] * len(forms)
     for m in matrices:
@@ -76,27 +76,47 @@ def errors(matrices: list[torch.Tensor], triples, dtype: torch.dtype, forms: lis
 
 def table(shapes: dict, args: argparse.Namespace) -> list[dict]:
     rows = []
-    print("| coefficients | NS dtype | shape | matrices | standard error | Gram segments | Gram error "
-          "| Gram / standard |")  # fmt: skip
+    print(
+        "| coefficients | NS dtype | shape | matrices | standard error | Gram segments | Gram error | Gram "
+        "/ standard |"
+    )
     print("|---|---|---|---:|---:|---|---:|---:|")
     for name in args.coefficients:
         triples = resolve_coefficients(name, args.ns_steps)
         for dtype in args.dtypes:
             segments = gram_segments(triples, dtype)
             for shape, matrices in shapes.items():
-                standard, gram = errors(matrices, triples, dtype, [standard_segments(args.ns_steps), segments])
-                rows.append({"coefficients": name, "dtype": str(dtype), "shape": shape, "matrices": len(matrices),
-                             "standard": standard, "segments": segments, "gram": gram})  # fmt: skip
-                print(f"| {name} | {str(dtype)[6:]} | {shape[0]} x {shape[1]} | {len(matrices)} | {standard:.2e} | "
-                      f"{segments} | {gram:.2e} | {gram / standard:.2f} |", flush=True)  # fmt: skip
+                standard, gram = errors(
+                    matrices, triples, dtype, [standard_segments(args.ns_steps), segments]
+                )
+                rows.append(
+                    {
+                        "coefficients": name,
+                        "dtype": str(dtype),
+                        "shape": shape,
+                        "matrices": len(matrices),
+                        "standard": standard,
+                        "segments": segments,
+                        "gram": gram,
+                    }
+                )
+                print(
+                    f"| {name} | {str(dtype)[6:]} | {shape[0]} x {shape[1]} | {len(matrices)} | "
+                    f"{standard:.2e} | "
+                    f"{segments} | {gram:.2e} | {gram / standard:.2f} |",
+                    flush=True,
+                )
     return rows
 
 
 def search(shapes: dict, args: argparse.Namespace) -> list[dict]:
     """Every grouping of ``args.search`` iterations into segments, ranked by the worst ratio."""
     n, dtype = args.search, args.dtypes[0]
-    forms = [tuple(b - a for a, b in itertools.pairwise((0, *cuts, n)))
-             for k in range(n) for cuts in itertools.combinations(range(1, n), k)]  # fmt: skip
+    forms = [
+        tuple(b - a for a, b in itertools.pairwise((0, *cuts, n)))
+        for k in range(n)
+        for cuts in itertools.combinations(range(1, n), k)
+    ]
     rows = []
     for name in args.coefficients:
         triples = resolve_coefficients(name, n)
@@ -107,30 +127,49 @@ def search(shapes: dict, args: argparse.Namespace) -> list[dict]:
                 ratios[segments].append(gram / standard)
         default = gram_segments(triples, dtype)
         ranked = sorted(forms, key=lambda f: max(ratios[f]))
-        print(f"\n## {name}, {n} iterations, {dtype}: worst Gram / standard error over shapes "
-              f"{list(shapes)}; flops relative to standard at l = 2.75 s (an MLP matrix)\n")  # fmt: skip
+        print(
+            f"\n## {name}, {n} iterations, {dtype}: worst Gram / standard error over shapes "
+            f"{list(shapes)}; flops relative to standard at l = 2.75 s (an MLP matrix)\n"
+        )
         print("| rank | segments | worst ratio | per shape | flops / standard | |")
         print("|---:|---|---:|---|---:|---|")
         for place, segments in enumerate(ranked, 1):
-            rows.append({"coefficients": name, "segments": segments, "ratios": ratios[segments], "rank": place})
+            rows.append(
+                {"coefficients": name, "segments": segments, "ratios": ratios[segments], "rank": place}
+            )
             if place > args.top and segments != default:
                 continue
             cost = segments_flops(4, 11, segments) / segments_flops(4, 11, standard_segments(n))
             per_shape = " ".join(f"{r:.2f}" for r in ratios[segments])
-            print(f"| {place} | {segments} | {max(ratios[segments]):.2f} | {per_shape} | {cost:.2f} | "
-                  f"{'default' if segments == default else ''} |")  # fmt: skip
+            print(
+                f"| {place} | {segments} | {max(ratios[segments]):.2f} | {per_shape} | {cost:.2f} | "
+                f"{'default' if segments == default else ''} |"
+            )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", type=Path, help="a recipe checkpoint directory (checkpoints/step_N)")
-    parser.add_argument("--coefficients", nargs="+", default=list(NAMED_COEFFICIENTS), choices=list(NAMED_COEFFICIENTS))
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float16", "float32"],
-                        help="NS dtypes (--search uses the first)")  # fmt: skip
+    parser.add_argument(
+        "--coefficients", nargs="+", default=list(NAMED_COEFFICIENTS), choices=list(NAMED_COEFFICIENTS)
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["bfloat16", "float32"],
+        choices=["bfloat16", "float16", "float32"],
+        help="NS dtypes (--search uses the first)",
+    )
     parser.add_argument("--ns-steps", type=int, default=5)
-    parser.add_argument("--search", type=int, default=0, metavar="N", help="rank every restart placement of N iterations")
-    parser.add_argument("--top", type=int, default=8, help="rows of --search printed (and the default's; the JSON has all)")
+    parser.add_argument(
+        "--search", type=int, default=0, metavar="N", help="rank every restart placement of N iterations"
+    )
+    parser.add_argument(
+        "--top", type=int, default=8, help="rows of --search printed (and the default's; the JSON has all)"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/ns_accuracy.json"))
     args = parser.parse_args()
@@ -139,8 +178,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     shapes = momentum_by_shape(args.checkpoint)
     print(f"## Newton-Schulz error against float64, momentum of {args.checkpoint}\n")
-    result = {"checkpoint": str(args.checkpoint), "search": search(shapes, args)} if args.search else {
-        "checkpoint": str(args.checkpoint), "table": table(shapes, args)}  # fmt: skip
+    result = (
+        {"checkpoint": str(args.checkpoint), "search": search(shapes, args)}
+        if args.search
+        else {"checkpoint": str(args.checkpoint), "table": table(shapes, args)}
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nJSON: {args.out}")

@@ -43,7 +43,13 @@ from pathlib import Path
 import torch
 
 from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts, replicated
-from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, NS_ALGORITHMS, ns_segments, resolve_coefficients, segments_flops
+from dmuon_fsdp.newton_schulz import (
+    MUON_COEFFICIENTS,
+    NS_ALGORITHMS,
+    ns_segments,
+    resolve_coefficients,
+    segments_flops,
+)
 from dmuon_fsdp.planner import Plan, assignment_lower_bound, build_plan, makespan_lower_bound
 
 
@@ -68,18 +74,29 @@ WIRE_BYTES = 2  # bf16
 
 
 def row_sharded(shapes: list[tuple[int, int]], world: int) -> list[MatrixLayout]:
-    return [MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)]
+    return [
+        MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)
+    ]
 
 
 def ns_costs(shapes: list[tuple[int, int]], algorithm: str = "standard", ns_steps: int = 5) -> list[int]:
     """NS flops of each matrix in the form ``algorithm`` picks for it in bf16."""
     coefficients = resolve_coefficients(MUON_COEFFICIENTS, ns_steps)
-    return [segments_flops(r, c, ns_segments(algorithm, coefficients, torch.bfloat16, r, c)) for r, c in shapes]
+    return [
+        segments_flops(r, c, ns_segments(algorithm, coefficients, torch.bfloat16, r, c)) for r, c in shapes
+    ]
 
 
-def plan_for(shapes: list[tuple[int, int]], world: int, bucket_bytes: int, algorithm: str = "standard",
-             ns_steps: int = 5) -> Plan:  # fmt: skip
-    return build_plan(row_sharded(shapes, world), ns_costs(shapes, algorithm, ns_steps), world, bucket_bytes, WIRE_BYTES)
+def plan_for(
+    shapes: list[tuple[int, int]],
+    world: int,
+    bucket_bytes: int,
+    algorithm: str = "standard",
+    ns_steps: int = 5,
+) -> Plan:
+    return build_plan(
+        row_sharded(shapes, world), ns_costs(shapes, algorithm, ns_steps), world, bucket_bytes, WIRE_BYTES
+    )
 
 
 def simulate(shapes: list[tuple[int, int]], world: int, args: argparse.Namespace) -> dict:
@@ -90,17 +107,26 @@ def simulate(shapes: list[tuple[int, int]], world: int, args: argparse.Namespace
     elementwise = params / world * STATE_BYTES_PER_PARAM / (args.hbm_gbs * 1e9)
     standard = ns_costs(shapes, "standard", args.ns_steps)
     gather = elementwise + sum(standard) / rate + params * WIRE_BYTES * (world - 1) / world / link
-    row: dict = {"world": world, "matrices": len(shapes), "params": params, "gather_ms": gather * 1e3,
-                 "adamw_ms": elementwise * 1e3, "dmuon_ms": {}}  # fmt: skip
+    row: dict = {
+        "world": world,
+        "matrices": len(shapes),
+        "params": params,
+        "gather_ms": gather * 1e3,
+        "adamw_ms": elementwise * 1e3,
+        "dmuon_ms": {},
+    }
     for algorithm in args.ns_algorithms:
         plan = plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps)
         loads, costs = plan.loads(), list(plan.costs)
         sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
         row["dmuon_ms"][algorithm] = (elementwise + max(loads) / rate + sent / link) * 1e3
         if algorithm == args.ns_algorithms[0]:
-            row.update(busiest_over_bound=max(loads) / assignment_lower_bound(costs, world),
-                       busiest_over_l2_bound=max(loads) / makespan_lower_bound(costs, world),
-                       max_over_mean=max(loads) * world / sum(loads), sent_mib=sent / 2**20)  # fmt: skip
+            row.update(
+                busiest_over_bound=max(loads) / assignment_lower_bound(costs, world),
+                busiest_over_l2_bound=max(loads) / makespan_lower_bound(costs, world),
+                max_over_mean=max(loads) * world / sum(loads),
+                sent_mib=sent / 2**20,
+            )
     return row
 
 
@@ -115,11 +141,18 @@ def plot(results: dict, path: Path, title: str) -> None:
         color = f"C{i}"
         ws = [r["world"] for r in rows]
         for algorithm, marker in zip(rows[0]["dmuon_ms"], "os^"):
-            ax.plot(ws, [r["dmuon_ms"][algorithm] for r in rows], f"-{marker}", color=color,
-                    label=f"{model} DMuonFSDP {algorithm}")  # fmt: skip
+            ax.plot(
+                ws,
+                [r["dmuon_ms"][algorithm] for r in rows],
+                f"-{marker}",
+                color=color,
+                label=f"{model} DMuonFSDP {algorithm}",
+            )
         ax.plot(ws, [r["gather_ms"] for r in rows], "--", color=color, label=f"{model} gather-all Muon")
         ax.plot(ws, [r["adamw_ms"] for r in rows], ":", color=color, label=f"{model} AdamW")
-    ax.set(xscale="log", yscale="log", xlabel="world size W", ylabel="predicted optimizer step (ms)", title=title)
+    ax.set(
+        xscale="log", yscale="log", xlabel="world size W", ylabel="predicted optimizer step (ms)", title=title
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -131,8 +164,12 @@ def balance(shapes: list[tuple[int, int]], world: int) -> dict:
     """The busiest rank's NS load over the assignment lower bound and over the mean."""
     loads = plan_for(shapes, world, 2**62).loads()
     bound = assignment_lower_bound(ns_costs(shapes), world)
-    return {"world": world, "matrices": len(shapes), "over_bound": max(loads) / bound,
-            "over_mean": max(loads) * world / sum(loads)}  # fmt: skip
+    return {
+        "world": world,
+        "matrices": len(shapes),
+        "over_bound": max(loads) / bound,
+        "over_mean": max(loads) * world / sum(loads),
+    }
 
 
 def _spread(sent: list[int]) -> dict:
@@ -154,19 +191,23 @@ def hsdp(shapes: list[tuple[int, int]], replicas: int, shards: int) -> dict:
             if owner != rank and rank in ours.senders[j]:  # forward: one copy to the owner
                 sent += m.pieces[rank].numel
             if owner == rank:  # return inside the owner's shard group
-                sent += sum(m.pieces[r].numel for r in range(replica * shards, (replica + 1) * shards) if r != rank)
+                sent += sum(
+                    m.pieces[r].numel for r in range(replica * shards, (replica + 1) * shards) if r != rank
+                )
             if owner // shards == replica:  # all-gather across replicas: my rows to R-1 others
                 sent += (replicas - 1) * m.pieces[rank].numel
         two_step.append(sent)
     gather_all = [sum(m.pieces[s].numel for m in rows_only) * (shards - 1) for s in range(shards)]
     busiest = max(ours.loads()) / 1e9
     return {
-        "per-replica": {**_spread([per_replica.elements_moved(r) for r in range(shards)]),
-                        "ns_gflop": max(per_replica.loads()) / 1e9},
+        "per-replica": {
+            **_spread([per_replica.elements_moved(r) for r in range(shards)]),
+            "ns_gflop": max(per_replica.loads()) / 1e9,
+        },
         "DMuonFSDP": {**_spread([ours.elements_moved(r) for r in range(world)]), "ns_gflop": busiest},
         "a2a + all-gather": {**_spread(two_step), "ns_gflop": busiest},
         "gather-all": {**_spread(gather_all), "ns_gflop": sum(costs) / 1e9},
-    }  # fmt: skip
+    }
 
 
 def step_report(args: argparse.Namespace) -> dict:
@@ -174,22 +215,45 @@ def step_report(args: argparse.Namespace) -> dict:
     args.hbm_gbs = args.hbm_gbs or GPUS[args.gpu]["hbm_gbs"]
     models = args.models or ["llama-1b", "llama3-8b", "llama3-70b", "mixtral-8x7b"]
     results = {m: [simulate(MODELS[m], w, args) for w in args.world_sizes] for m in models}
-    title = (f"{args.gpu}: {args.tflops:g} TFLOP/s x {args.ns_efficiency:g}, {args.link_gbs:g} GB/s link, "
-             f"{args.hbm_gbs:g} GB/s HBM")  # fmt: skip
+    title = (
+        f"{args.gpu}: {args.tflops:g} TFLOP/s x {args.ns_efficiency:g}, {args.link_gbs:g} GB/s link, "
+        f"{args.hbm_gbs:g} GB/s HBM"
+    )
     print(f"## Predicted optimizer step, {title}\n")
     algorithms, first = args.ns_algorithms, args.ns_algorithms[0]
-    header = ["model", "W", "matrices", "busiest / bound", "busiest / L2 bound", "max / mean", "MiB sent per rank",
-              *(f"DMuonFSDP {a} ms" for a in algorithms), "gather-all Muon ms", "AdamW ms",
-              f"gather-all / DMuonFSDP {first}", *(f"{first} / {a}" for a in algorithms[1:])]  # fmt: skip
+    header = [
+        "model",
+        "W",
+        "matrices",
+        "busiest / bound",
+        "busiest / L2 bound",
+        "max / mean",
+        "MiB sent per rank",
+        *(f"DMuonFSDP {a} ms" for a in algorithms),
+        "gather-all Muon ms",
+        "AdamW ms",
+        f"gather-all / DMuonFSDP {first}",
+        *(f"{first} / {a}" for a in algorithms[1:]),
+    ]
     print("| " + " | ".join(header) + " |")
     print("|---|" + "---:|" * (len(header) - 1))
     for model, rows in results.items():
         for r in rows:
             ms = r["dmuon_ms"]
-            cells = [model, r["world"], r["matrices"], f"{r['busiest_over_bound']:.3f}", f"{r['busiest_over_l2_bound']:.3f}",
-                     f"{r['max_over_mean']:.2f}", f"{r['sent_mib']:.0f}", *(f"{ms[a]:.1f}" for a in algorithms),
-                     f"{r['gather_ms']:.1f}", f"{r['adamw_ms']:.2f}", f"{r['gather_ms'] / ms[first]:.1f}x",
-                     *(f"{ms[first] / ms[a]:.2f}x" for a in algorithms[1:])]  # fmt: skip
+            cells = [
+                model,
+                r["world"],
+                r["matrices"],
+                f"{r['busiest_over_bound']:.3f}",
+                f"{r['busiest_over_l2_bound']:.3f}",
+                f"{r['max_over_mean']:.2f}",
+                f"{r['sent_mib']:.0f}",
+                *(f"{ms[a]:.1f}" for a in algorithms),
+                f"{r['gather_ms']:.1f}",
+                f"{r['adamw_ms']:.2f}",
+                f"{r['gather_ms'] / ms[first]:.1f}x",
+                *(f"{ms[first] / ms[a]:.2f}x" for a in algorithms[1:]),
+            ]
             print("| " + " | ".join(map(str, cells)) + " |")
     plot(results, Path(args.out).with_suffix(".png"), title)
     return results
@@ -202,7 +266,9 @@ def balance_report(args: argparse.Namespace) -> dict:
     print("|---|---:|---:|---:|---:|")
     for model, rows in results.items():
         for r in rows:
-            print(f"| {model} | {r['matrices']} | {r['world']} | {r['over_bound']:.4f} | {r['over_mean']:.4f} |")
+            print(
+                f"| {model} | {r['matrices']} | {r['world']} | {r['over_bound']:.4f} | {r['over_mean']:.4f} |"
+            )
     return results
 
 
@@ -217,7 +283,10 @@ def hsdp_report(args: argparse.Namespace) -> dict:
             replicas, shards = (int(n) for n in mesh.split("x"))
             schemes = results[model]["meshes"][mesh] = hsdp(MODELS[model], replicas, shards)
             for scheme, r in schemes.items():
-                print(f"| {model} | {mesh} | {scheme} | {r['max_mib']:.1f} | {r['mean_mib']:.1f} | {r['ns_gflop']:.1f} |")
+                print(
+                    f"| {model} | {mesh} | {scheme} | {r['max_mib']:.1f} | {r['mean_mib']:.1f} | "
+                    f"{r['ns_gflop']:.1f} |"
+                )
     return results
 
 
@@ -225,16 +294,27 @@ REPORTS = {"step": step_report, "balance": balance_report, "hsdp": hsdp_report}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--report", default="step", choices=list(REPORTS))
     parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
-    parser.add_argument("--tflops", type=float, default=None, help="peak dense bf16 TFLOP/s (default: the GPU's)")
-    parser.add_argument("--hbm-gbs", type=float, default=None, help="memory bandwidth GB/s (default: the GPU's)")
+    parser.add_argument(
+        "--tflops", type=float, default=None, help="peak dense bf16 TFLOP/s (default: the GPU's)"
+    )
+    parser.add_argument(
+        "--hbm-gbs", type=float, default=None, help="memory bandwidth GB/s (default: the GPU's)"
+    )
     parser.add_argument("--link-gbs", type=float, default=50.0, help="network GB/s per GPU, each direction")
     parser.add_argument("--ns-efficiency", type=float, default=0.5, help="achieved fraction of peak in NS")
     parser.add_argument("--ns-steps", type=int, default=5)
-    parser.add_argument("--ns-algorithms", nargs="+", default=["standard", "auto"], choices=NS_ALGORITHMS,
-                        help="DMuonFSDP's ns_algorithm, one predicted step per entry")  # fmt: skip
+    parser.add_argument(
+        "--ns-algorithms",
+        nargs="+",
+        default=["standard", "auto"],
+        choices=NS_ALGORITHMS,
+        help="DMuonFSDP's ns_algorithm, one predicted step per entry",
+    )
     parser.add_argument("--bucket-mib", type=int, default=128)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--meshes", nargs="+", default=["2x4", "4x8", "8x8"], help="HSDP replicas x shards")

@@ -1,7 +1,7 @@
 """dmuon_fsdp: distributed Muon for FSDP2 and DTensor.
 
-    fully_shard(model)
-    opt = DMuonFSDP(model.parameters(), lr=0.02)      # or DMuonFSDP(param_groups(model))
+fully_shard(model)
+opt = DMuonFSDP(model.parameters(), lr=0.02)      # or DMuonFSDP(param_groups(model))
 """
 
 from dmuon_fsdp.checks import GradientMismatchError, NonFiniteGradientError

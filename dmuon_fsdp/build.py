@@ -1,10 +1,10 @@
 """Building a step program: from the parameters to every buffer and view a step needs.
 
 ``build_program`` runs the pipeline for a ``StepKey``: layouts (every rank's piece of each Muon
-matrix) -> the Newton-Schulz form and cost of each matrix -> plan (owners, buckets) -> plan
-agreement over the ranks (one ``all_reduce``, with a check on) -> this rank's schedule -> buffers
-and views (``_Binder``). ``ProgramCache`` keeps the program and decides, from the key and the
-tensors, whether a step needs a new one, the same one bound to new tensors, or the one it has.
+matrix) -> each matrix's Newton-Schulz form and cost -> plan (owners, buckets) -> agreement over
+the ranks (one ``all_reduce``, with a check on) -> this rank's schedule -> buffers and views.
+``ProgramCache`` keeps the program and decides whether a step needs a new one, the same one
+bound to new tensors, or the one it has.
 
 Buffers: per bucket a send and a receive buffer for each exchange (``comm_dtype``, laid out as
 the schedule says), a (B, s, l) stack per batch of owned matrices of one shape, NS settings and
@@ -32,7 +32,13 @@ from torch import Tensor
 from dmuon_fsdp import checks, comm, elementwise
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, Piece, describe_params, local_shard
-from dmuon_fsdp.newton_schulz import Coefficients, Workspace, ns_segments, resolve_coefficients, segments_flops
+from dmuon_fsdp.newton_schulz import (
+    Coefficients,
+    Workspace,
+    ns_segments,
+    resolve_coefficients,
+    segments_flops,
+)
 from dmuon_fsdp.planner import Plan, build_plan
 from dmuon_fsdp.program import (
     AdamWLists,
@@ -90,15 +96,24 @@ class ProgramCache:
         """The state tensors were replaced wholesale (``load_state_dict``): bind anew."""
         self._rebind = True
 
-    def get(self, key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings) -> Ready:
-        """The program for a step of ``key`` (``checks.build_now`` says when to build)."""
+    def get(
+        self,
+        key: StepKey,
+        params: list[Tensor],
+        groups: list[dict[str, Any]],
+        state: Any,
+        names: dict,
+        settings: Settings,
+    ) -> Ready:
+        """The program for a step of ``key`` (``checks.build_now`` says when to build);
+        ``params`` are the parameters of ``groups`` in optimizer order."""
         program = self._program
         agreeing = settings.check_grads and program is not None and program.flags is not None
         if checks.build_now(program.key if program is not None else None, key, agreeing):
             self._program = None  # its buffers go before the new ones are allocated
             self._program = build_program(key, groups, state, names, settings)
-        elif self._rebind or program.moved(_params(groups), state):
-            if checks.stale_layouts(_params(groups), state):
+        elif self._rebind or program.moved(params, state):
+            if checks.stale_layouts(params, state):
                 return Ready(program, bound=False)
             self._program = None
             self._program = _bind(program.plan, program.schedule, key, groups, state, settings)
@@ -110,17 +125,17 @@ def _params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
     return [p for group in groups for p in group["params"]]
 
 
-def explain(groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings, shared: bool) -> NoReturn:
+def explain(
+    groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings, shared: bool
+) -> NoReturn:
     """Raise the error every rank agrees on (``checks.explain``; a collective when ``shared``)."""
     params = _params(groups)
     group = settings.site.group.group if shared else None
     checks.explain(params, names, group, settings.nonfinite, checks.stale_layouts(params, state))
 
 
-def _muon_params(key: StepKey, groups: list[dict[str, Any]]) -> list[tuple[int, int, Tensor]]:
-    """(position, group index, parameter) of each Muon parameter with a gradient."""
-    indexed = [(g, p) for g, group in enumerate(groups) for p in group["params"]]
-    return [(i, g, p) for i, ((g, p), has) in enumerate(zip(indexed, key.has_grad)) if has and groups[g]["use_muon"]]
+def _indexed(groups: Sequence[dict[str, Any]]) -> list[tuple[int, Tensor]]:
+    return [(g, p) for g, group in enumerate(groups) for p in group["params"]]
 
 
 @dataclass(frozen=True)
@@ -132,7 +147,9 @@ class _Form:
     segments: tuple[int, ...]
 
 
-def _forms(matrices: Sequence[MatrixLayout], groups: Sequence[dict[str, Any]], dtype: torch.dtype) -> list[_Form]:
+def _forms(
+    matrices: Sequence[MatrixLayout], groups: Sequence[dict[str, Any]], dtype: torch.dtype
+) -> list[_Form]:
     out = []
     for m, group in zip(matrices, groups):
         coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
@@ -141,21 +158,27 @@ def _forms(matrices: Sequence[MatrixLayout], groups: Sequence[dict[str, Any]], d
     return out
 
 
-def build_program(key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings) -> StepProgram:
+def build_program(
+    key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings
+) -> StepProgram:
     """A new plan and program for ``key``; with a check on, one ``all_reduce`` tells every rank
     of any rank's trouble and (with ``check_grads``) that all built the same plan."""
-    muon = _muon_params(key, groups)
-    described = [(p, names[p], groups[g]) for _, g, p in muon]
+    muon = [(g, p) for (g, p), has in zip(_indexed(groups), key.has_grad) if has and groups[g]["use_muon"]]
+    described = [(p, names[p], groups[g]) for g, p in muon]
     layouts, param_of = describe_params(described, comm.default_world_size(), settings.site.mesh)
     forms = _forms(layouts, [described[i][2] for i in param_of], settings.ns_dtype)
     costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms)]
     exchange = settings.site.group
-    plan = build_plan(layouts, costs, len(exchange.peers), settings.bucket_bytes, settings.comm_dtype.itemsize, param_of)
+    plan = build_plan(
+        layouts, costs, len(exchange.peers), settings.bucket_bytes, settings.comm_dtype.itemsize, param_of
+    )
     trouble = bool(checks.stale_layouts(_params(groups), state))
     shared = key.flags and exchange.group is not None
     if shared:
+        world, signature = plan.world_size, plan.signature()
+        compare = settings.check_grads
         trouble = checks.agree_on_plan(
-            trouble, key.digest, plan.signature(), plan.world_size, exchange.group, settings.device, settings.check_grads
+            trouble, key.digest, signature, world, exchange.group, settings.device, compare
         )
     if trouble:
         explain(groups, state, names, settings, shared)
@@ -164,23 +187,21 @@ def build_program(key: StepKey, groups: list[dict[str, Any]], state: Any, names:
 
 
 def _bind(
-    plan: Plan, schedule: RankSchedule, key: StepKey, groups: list[dict[str, Any]], state: Any, settings: Settings
+    plan: Plan,
+    schedule: RankSchedule,
+    key: StepKey,
+    groups: list[dict[str, Any]],
+    state: Any,
+    settings: Settings,
 ) -> StepProgram:
     """Allocate every buffer and make every view a step of ``plan`` needs on this rank."""
-    indexed = [(g, p) for g, group in enumerate(groups) for p in group["params"]]
-    entries = [Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(indexed, key.has_grad)) if has]
-    binder = _Binder(plan, entries, groups, settings)
-    parts = [binder.bucket(bucket) for bucket in schedule.buckets]
-    flat = _shared_workspace([batch for part in parts for batch in part.batches])
-    buckets = tuple(part.program(flat) for part in parts)
+    entries = [Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(_indexed(groups), key.has_grad)) if has]
+    binder = _Binder(plan, schedule, entries, groups, settings)
+    buckets = tuple(binder.bucket(bucket) for bucket in schedule.buckets)
     muon, spread = binder.momentum(state)
-    flags = None
-    first = buckets[0].to_owners
-    if first is not None and schedule.buckets[0].to_owners.flags:
-        values = torch.tensor(checks.encode(key.digest, invalid=False), dtype=settings.comm_dtype, device=settings.device)
-        send = _flag_index(first.send_counts, settings.device)
-        flags = Flags(send, _flag_index(first.receive_counts, settings.device), send[:, 1].contiguous(), values)
-        first.send.index_put_((flags.send,), values)
+    flags, wire = None, schedule.buckets[0].to_owners
+    if wire is not None and wire.flags:  # the first exchange carries the check flags
+        flags = Flags.bind(buckets[0].to_owners, checks.encode(key.digest, invalid=False))
     size = settings.comm_dtype.itemsize
     counts = {
         "ns_flops": sum(plan.costs[j] for bucket in schedule.buckets for j in bucket.owned),
@@ -229,7 +250,9 @@ def _views(buffer: Tensor, segments: Sequence[Sequence[Transfer]], flags: int) -
 
 
 def _staging(transfers: Sequence[Transfer], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    return _views(torch.empty(sum(t.piece.numel for t in transfers), dtype=dtype, device=device), [transfers], 0)[0]
+    return _views(
+        torch.empty(sum(t.piece.numel for t in transfers), dtype=dtype, device=device), [transfers], 0
+    )[0]
 
 
 @dataclass(frozen=True)
@@ -248,52 +271,12 @@ def _wired(wire: Wire | None, settings: Settings) -> _Wired:
     for counts, segments in ((wire.send_counts, wire.send), (wire.receive_counts, wire.receive)):
         buffer = torch.zeros(sum(counts), dtype=settings.comm_dtype, device=settings.device)
         views = _views(buffer, segments, wire.flags)
-        buffers.append((buffer, [(t, v) for segment, vs in zip(segments, views) for t, v in zip(segment, vs)]))
+        buffers.append(
+            (buffer, [(t, v) for segment, vs in zip(segments, views) for t, v in zip(segment, vs)])
+        )
     (send, sent), (receive, received) = buffers
     group = settings.site.group.group
     return _Wired(comm.Exchange(send, receive, wire.send_counts, wire.receive_counts, group), sent, received)
-
-
-def _flag_index(counts: list[int], device: torch.device) -> Tensor:
-    """Positions of every segment's flags in a buffer: (segments, FLAG_ELEMENTS)."""
-    starts = torch.tensor([sum(counts[:g]) for g in range(len(counts))], dtype=torch.int64)
-    return (starts[:, None] + torch.arange(FLAG_ELEMENTS)).to(device)
-
-
-@dataclass(frozen=True)
-class _Stack:
-    """A batch's stack and NS form, before the shared workspace exists."""
-
-    stack: Tensor
-    form: _Form
-
-
-@dataclass(frozen=True)
-class _BucketParts:
-    """One bucket bound, but for the workspace its batches share."""
-
-    to_owners: comm.Exchange | None
-    assemble: Copies
-    batches: list[_Stack]
-    collect: Copies
-    from_owners: comm.Exchange | None
-    updates: tuple[Updates, ...]
-
-    def program(self, flat: tuple[Tensor, Tensor] | None) -> BucketProgram:
-        batches = tuple(
-            Batch(s.stack, s.form.coefficients, s.form.eps, s.form.segments, Workspace.for_stack(s.stack, s.form.segments, flat))
-            for s in self.batches
-        )
-        return BucketProgram(self.to_owners, self.assemble, batches, self.collect, self.from_owners, self.updates)
-
-
-def _shared_workspace(stacks: list[_Stack]) -> tuple[Tensor, Tensor] | None:
-    """Flat buffers large enough for every stack's ``Workspace``: they share one, being
-    orthogonalized one at a time."""
-    if not stacks:
-        return None
-    sizes = [Workspace.sizes(s.stack.shape, s.form.segments) for s in stacks]
-    return tuple(stacks[0].stack.new_empty(max(size)) for size in zip(*sizes))
 
 
 def _in_shape(view: Tensor, local: Tensor) -> Tensor | None:
@@ -306,7 +289,14 @@ def _in_shape(view: Tensor, local: Tensor) -> Tensor | None:
 class _Binder:
     """Binds one program; holds what every part of the binding refers to."""
 
-    def __init__(self, plan: Plan, entries: list[Entry], groups: list[dict[str, Any]], settings: Settings):
+    def __init__(
+        self,
+        plan: Plan,
+        schedule: RankSchedule,
+        entries: list[Entry],
+        groups: list[dict[str, Any]],
+        settings: Settings,
+    ):
         self.plan, self.groups, self.settings = plan, groups, settings
         self.entries = tuple(entries)
         self.locals = [local_shard(e.param) for e in self.entries]
@@ -316,6 +306,20 @@ class _Binder:
         self.staged = settings.comm_dtype != settings.ns_dtype
         self.feeds: list[tuple[Tensor, Transfer]] = []  # (destination, this rank's piece) to fill
         self.merged: dict[tuple[int, float], Updates] = {}
+        # One NS workspace for every batch of every bucket: they are orthogonalized one at a time.
+        sizes = [
+            Workspace.sizes((len(batch), s, l), form.segments)
+            for bucket in schedule.buckets
+            for (s, l, form), batch in self.members(bucket.owned).items()
+        ]
+        self.workspace = (
+            tuple(
+                torch.empty(max(size), dtype=settings.ns_dtype, device=settings.device)
+                for size in zip(*sizes)
+            )
+            if sizes
+            else None
+        )
 
     def entry_of(self, j: int) -> int:
         return self.muon[self.plan.param_of[j]]
@@ -325,24 +329,30 @@ class _Binder:
         m = self.plan.matrices[j]
         return group, elementwise.adjusted_lr(1.0, self.groups[group]["adjust_lr_fn"], m.rows, m.cols)
 
-    def stacks(self, owned: Sequence[int]) -> tuple[list[_Stack], dict[int, Tensor]]:
-        """Batches of owned matrices by (s, l, NS form), each a new (B, s, l) stack, and each
-        matrix's (rows, cols) view into its stack (a transposed view for tall matrices)."""
-        members: dict[tuple, list[int]] = defaultdict(list)
+    def members(self, owned: Sequence[int]) -> dict[tuple[int, int, _Form], list[int]]:
+        """Owned matrices by (short side, long side, NS form): the batches of one bucket."""
+        members: dict[tuple[int, int, _Form], list[int]] = defaultdict(list)
         for j in owned:
             m = self.plan.matrices[j]
             members[(min(m.rows, m.cols), max(m.rows, m.cols), self.forms[j])].append(j)
-        stacks, matrix_views = [], {}
-        for (s, l, form), batch in members.items():
-            stack = torch.zeros(len(batch), s, l, dtype=self.settings.ns_dtype, device=self.settings.device)
-            stacks.append(_Stack(stack, form))
-            for b, j in enumerate(batch):
-                matrix_views[j] = stack[b].mT if self.plan.matrices[j].rows > self.plan.matrices[j].cols else stack[b]
-        return stacks, matrix_views
+        return members
 
-    def bucket(self, bucket: BucketSchedule) -> _BucketParts:
-        """One bucket's exchanges, copies and updates (its stacks still without workspace)."""
-        stacks, matrix = self.stacks(bucket.owned)
+    def batches(self, owned: Sequence[int]) -> tuple[tuple[Batch, ...], dict[int, Tensor]]:
+        """Each batch of owned matrices as a new (B, s, l) stack, and each matrix's (rows, cols)
+        view into its stack (a transposed view for tall matrices)."""
+        batches, matrix_views = [], {}
+        for (s, l, form), members in self.members(owned).items():
+            stack = torch.zeros(len(members), s, l, dtype=self.settings.ns_dtype, device=self.settings.device)
+            work = Workspace.for_stack(stack, form.segments, self.workspace)
+            batches.append(Batch(stack, form.coefficients, form.eps, form.segments, work))
+            for b, j in enumerate(members):
+                tall = self.plan.matrices[j].rows > self.plan.matrices[j].cols
+                matrix_views[j] = stack[b].mT if tall else stack[b]
+        return tuple(batches), matrix_views
+
+    def bucket(self, bucket: BucketSchedule) -> BucketProgram:
+        """One bucket's exchanges, stacks, copies and updates."""
+        batches, matrix = self.batches(bucket.owned)
 
         def region(t: Transfer) -> Tensor:
             p = t.piece
@@ -353,7 +363,9 @@ class _Binder:
 
         to_owners = _wired(bucket.to_owners, self.settings)
         self.feeds += [(view, t) for t, view in to_owners.sent]
-        assemble = Copies([region(t) for t, _ in to_owners.received], [view for _, view in to_owners.received])
+        assemble = Copies(
+            [region(t) for t, _ in to_owners.received], [view for _, view in to_owners.received]
+        )
         own = list(bucket.own_pieces)
         if self.staged:
             stage = staging(own)
@@ -377,10 +389,14 @@ class _Binder:
         for t, direction in returned:
             target = _piece(self.locals[self.entry_of(t.matrix)], t.piece)
             for table in (mine, self.merged):
-                u = table.setdefault(self.update_class(t.matrix), Updates(*self.update_class(t.matrix), [], []))
+                u = table.setdefault(
+                    self.update_class(t.matrix), Updates(*self.update_class(t.matrix), [], [])
+                )
                 u.params.append(target)
                 u.directions.append(direction)
-        return _BucketParts(to_owners.exchange, assemble, stacks, collect, from_owners.exchange, tuple(mine.values()))
+        return BucketProgram(
+            to_owners.exchange, assemble, batches, collect, from_owners.exchange, tuple(mine.values())
+        )
 
     def momentum(self, state: Any) -> tuple[tuple[MuonLists, ...], Copies]:
         """Per Muon group: where its NS inputs are written, straight or through scratch + spread."""

@@ -183,7 +183,9 @@ def gradient_codes(params: Sequence[Tensor], relayouted: Collection[Tensor], non
                 code |= MISSHAPEN
         codes.append(code)
     if nonfinite != "ignore" and not any(code & INVALID_BITS for code in codes):
-        checked = [i for i, code in enumerate(codes) if code & HAS_GRAD and local_shard(params[i].grad).numel()]
+        checked = [
+            i for i, code in enumerate(codes) if code & HAS_GRAD and local_shard(params[i].grad).numel()
+        ]
         if checked:
             norms = torch._foreach_norm([local_shard(params[i].grad) for i in checked], math.inf)
             for i, bad in zip(checked, (~torch.stack(norms).isfinite()).tolist()):
@@ -234,9 +236,17 @@ def explain(
             + "; ".join(lines)
             + ". Every rank must run backward through the same parameters (or set the same grads to None)."
         )
-    bad = [f"{names[params[i]]} (rank {r})" for r, row in enumerate(table) for i, code in enumerate(row) if code & NONFINITE]
+    bad = [
+        f"{names[params[i]]} (rank {r})"
+        for r, row in enumerate(table)
+        for i, code in enumerate(row)
+        if code & NONFINITE
+    ]
     if bad and nonfinite == "raise":
-        raise NonFiniteGradientError(f"non-finite gradient in {', '.join(bad)}; pass nonfinite='skip' to skip such steps")
+        raise NonFiniteGradientError(
+            f"non-finite gradient in {', '.join(bad)}; pass nonfinite='skip' to skip such steps"
+        )
     raise ValueError(
-        f"ranks disagree on the Muon param groups' options ({', '.join(STRUCTURAL)}): every rank must pass the same"
+        f"ranks disagree on the Muon param groups' options ({', '.join(STRUCTURAL)}): every rank must pass "
+        "the same"
     )

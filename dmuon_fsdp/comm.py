@@ -84,7 +84,9 @@ def launch(exchange: Exchange) -> Handle:
     """Start ``exchange``; ``wait`` on the handle returns its receive buffer."""
 
     def all_to_all(send_view, receive_view, **kwargs):
-        return dist.all_to_all_single(receive_view, send_view, exchange.receive_counts, exchange.send_counts, **kwargs)
+        return dist.all_to_all_single(
+            receive_view, send_view, exchange.receive_counts, exchange.send_counts, **kwargs
+        )
 
     return _start(all_to_all, (exchange.send, exchange.receive), group=exchange.group)
 

@@ -38,7 +38,9 @@ def input_weight(momentum: float, nesterov: bool) -> float:
     return momentum * momentum if nesterov else momentum
 
 
-def muon_input(dst: list[Tensor], buffers: list[Tensor], grads: list[Tensor], weight: float, in_place: bool) -> None:
+def muon_input(
+    dst: list[Tensor], buffers: list[Tensor], grads: list[Tensor], weight: float, in_place: bool
+) -> None:
     """``dst`` <- lerp(grads, buffers, weight), computed in the buffers' dtype; ``in_place`` when
     ``dst`` has that dtype (otherwise into temporaries, then copied)."""
     if in_place:
@@ -54,10 +56,30 @@ def adamw_kernel(params: list[Tensor]) -> dict[str, bool]:
     return {"fused": fused, "foreach": foreach}
 
 
-def adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-          steps: list[Tensor], group: dict[str, Any], kernel: dict[str, bool]) -> None:  # fmt: skip
+def adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    group: dict[str, Any],
+    kernel: dict[str, bool],
+) -> None:
     """One ``torch.optim.AdamW`` step of ``group``'s settings on these local tensors."""
     beta1, beta2 = group["betas"]
-    torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=beta1, beta2=beta2,
-                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                **kernel)  # fmt: skip
+    torch_adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+        **kernel,
+    )

@@ -130,7 +130,9 @@ def exchange_placements(param: DTensor, name: str, mesh: DeviceMesh) -> tuple[Pl
     """``param``'s placements on the exchange ``mesh``: Replicate on dims its own mesh lacks."""
     dims = mesh_dims_in(mesh, param.device_mesh)
     if dims is None:
-        raise ValueError(f"parameter {name!r} lives on {param.device_mesh}, not on {mesh} or a named sub-mesh of it")
+        raise ValueError(
+            f"parameter {name!r} lives on {param.device_mesh}, not on {mesh} or a named sub-mesh of it"
+        )
     placements: list[Placement] = [Replicate()] * mesh.ndim
     for dim, placement in zip(dims, param.placements):
         placements[dim] = placement
@@ -150,8 +152,11 @@ def _shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int], nam
     order, deferred = [], []
     for i, placement in enumerate(placements):
         if isinstance(placement, _StridedShard):
-            later = [mesh_shape[k] for k in range(i + 1, len(placements))
-                     if type(placements[k]) is Shard and placements[k].dim == placement.dim]  # fmt: skip
+            later = [
+                mesh_shape[k]
+                for k in range(i + 1, len(placements))
+                if type(placements[k]) is Shard and placements[k].dim == placement.dim
+            ]
             if math.prod(later) != placement.split_factor or any(
                 isinstance(p, _StridedShard) and p.dim == placement.dim for p in placements[i + 1 :]
             ):
@@ -180,7 +185,9 @@ def _row_major(coordinate: Sequence[int], shape: Sequence[int]) -> int:
 
 
 @lru_cache(maxsize=1024)
-def rank_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> tuple[Box, ...]:
+def rank_boxes(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]
+) -> tuple[Box, ...]:
     """Every rank's block of a tensor (torch.chunk at each cut), in row-major coordinate order.
     Cached: parameters of one shape and layout share it."""
     order = _shard_order(placements, mesh_shape, "?")
@@ -233,7 +240,9 @@ def param_boxes(
     return boxes, replica_indices(mesh_shape, placements)
 
 
-def row_blocks(name: str, rows: int, split_sizes: list[int] | None, num_heads: int | None) -> list[tuple[int, int]]:
+def row_blocks(
+    name: str, rows: int, split_sizes: list[int] | None, num_heads: int | None
+) -> list[tuple[int, int]]:
     """(first row, rows) of each block a matrix of ``rows`` rows is cut into: ``split_sizes``
     (fused weights such as QKV), ``num_heads`` equal blocks, or the whole matrix."""
     sizes = [rows]
@@ -289,7 +298,9 @@ def describe_param(
     placements = str(getattr(param, "placements", "(plain tensor)"))
     stacked = not flatten and len(shape) > 2
     row_dim = 1 if stacked else 0
-    columns = [_columns(shape, box, row_dim + 1, name, placements) if all(box[1]) else (0, 0) for box in boxes]
+    columns = [
+        _columns(shape, box, row_dim + 1, name, placements) if all(box[1]) else (0, 0) for box in boxes
+    ]
     cols = math.prod(shape[row_dim + 1 :])
     blocks = row_blocks(name, shape[row_dim], split_sizes, num_heads)
     layouts = []

@@ -199,7 +199,9 @@ class Workspace:
         return b * s * l, b * s * s * cls.squares_needed(segments)
 
     @classmethod
-    def for_stack(cls, stack: Tensor, segments: Sequence[int], flat: tuple[Tensor, Tensor] | None = None) -> Workspace:
+    def for_stack(
+        cls, stack: Tensor, segments: Sequence[int], flat: tuple[Tensor, Tensor] | None = None
+    ) -> Workspace:
         """Views of ``flat`` (two 1-D buffers at least ``sizes`` long) or new tensors."""
         b, s, l = stack.shape
         y_size, squares_size = cls.sizes(stack.shape, segments)
@@ -267,7 +269,11 @@ def _segment(
 
 
 def newton_schulz(
-    matrices: Tensor, coefficients: Sequence[Coefficients], eps: float, dtype: torch.dtype, algorithm: str = "standard"
+    matrices: Tensor,
+    coefficients: Sequence[Coefficients],
+    eps: float,
+    dtype: torch.dtype,
+    algorithm: str = "standard",
 ) -> Tensor:
     """Orthogonalize a batch of matrices (B, m, n), or one matrix (m, n), in ``dtype``, in the
     form ``algorithm`` picks for their shape (see ``ns_segments``).

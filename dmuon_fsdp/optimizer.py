@@ -72,7 +72,9 @@ class DMuonFSDP(Optimizer):
         num_heads: int | None = None,
         route: nn.Module | None = None,
     ):
-        self._options = Options(ns_dtype, comm_dtype, bucket_bytes, overlap, time_phases, nonfinite, check_grads)
+        self._options = Options(
+            ns_dtype, comm_dtype, bucket_bytes, overlap, time_phases, nonfinite, check_grads
+        )
         self.last_step_stats: StepStats | None = None
         self._names: dict[Tensor, str] = {}
         self._muon_meshes: dict[Any, str] = {}  # each Muon parameter's mesh -> one parameter's name
@@ -160,7 +162,9 @@ class DMuonFSDP(Optimizer):
 
     def _follow_swaps(self) -> None:
         """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp.swaps``)."""
-        followed = swaps.follow(self.param_groups, self._indexed, self._names, self.state, self._state_written)
+        followed = swaps.follow(
+            self.param_groups, self._indexed, self._names, self.state, self._state_written
+        )
         if followed is not None:
             self._indexed, self._names = followed.indexed, followed.names
             self._params = [p for _, p in followed.indexed]
@@ -203,7 +207,7 @@ class DMuonFSDP(Optimizer):
         groups, options, settings = self.param_groups, self._options, self._settings()
         grads = [p.grad for p in self._params]
         key = StepKey.of(groups, grads, flags=options.check_grads or options.nonfinite != "ignore")
-        ready = self._programs.get(key, groups, self.state, self._names, settings)
+        ready = self._programs.get(key, self._params, groups, self.state, self._names, settings)
         stats = self.last_step_stats = StepStats(settings.device, timed=options.time_phases)
         verdict = ready.program.run(grads, groups, key, options, stats, ready.bound)
         if verdict is Verdict.EXPLAIN:  # every rank raises the same error

@@ -16,6 +16,7 @@ def _output_heads(model: nn.Module, head: str | nn.Module | None) -> set[nn.Para
     projections = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
     return {projections[-1].weight} if projections else set()
 
+
 def routing(model: nn.Module, head: str | nn.Module | None = None) -> dict[nn.Parameter, tuple[str, bool]]:
     """Each parameter of ``model``: (its qualified name, whether it goes to Muon), by the rule of
     ``param_groups`` (trainable or not)."""

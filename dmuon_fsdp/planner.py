@@ -54,7 +54,9 @@ class Plan:
     def signature(self) -> int:
         """A checksum of everything ranks must agree on to exchange (not the matrices' names)."""
         shapes = [(m.rows, m.cols, m.pieces, m.replicas) for m in self.matrices]
-        return zlib.crc32(repr((shapes, self.costs, self.owners, [b.matrices for b in self.buckets])).encode())
+        return zlib.crc32(
+            repr((shapes, self.costs, self.owners, [b.matrices for b in self.buckets])).encode()
+        )
 
     def loads(self) -> list[int]:
         """NS flops assigned to each rank."""

@@ -137,12 +137,32 @@ class AdamWLists:
 
 @dataclass(frozen=True)
 class Flags:
-    """Where the check flags sit in the first exchange's buffers: (peers, FLAG_ELEMENTS)."""
+    """Where the check flags sit in the first exchange's buffers: (peers, FLAG_ELEMENTS), at the
+    head of every segment (``dmuon_fsdp.schedule``)."""
 
     send: Tensor
     receive: Tensor
     nonfinite: Tensor  # the non-finite slot of each send segment: (peers,)
     values: Tensor  # this rank's flags when nothing is wrong here, comm dtype, on the device
+
+    @classmethod
+    def bind(cls, first: comm.Exchange, values: list[float]) -> Flags:
+        """The flags' positions in ``first``, with ``values`` written into every send segment."""
+        device = first.send.device
+
+        def heads(counts: list[int]) -> Tensor:
+            starts = torch.tensor([sum(counts[:g]) for g in range(len(counts))], dtype=torch.int64)
+            return (starts[:, None] + torch.arange(checks.FLAG_ELEMENTS)).to(device)
+
+        send = heads(first.send_counts)
+        flags = cls(
+            send,
+            heads(first.receive_counts),
+            send[:, checks.NONFINITE_SLOT].contiguous(),
+            torch.tensor(values, dtype=first.send.dtype, device=device),
+        )
+        first.send.index_put_((flags.send,), flags.values)
+        return flags
 
 
 @dataclass(frozen=True)
@@ -307,7 +327,13 @@ class StepProgram:
         for lists in self.adamw:
             mine = [grads[i] for i in lists.grads]
             elementwise.adamw(
-                lists.params, mine, lists.exp_avgs, lists.exp_avg_sqs, lists.steps, groups[lists.group], lists.kernel
+                lists.params,
+                mine,
+                lists.exp_avgs,
+                lists.exp_avg_sqs,
+                lists.steps,
+                groups[lists.group],
+                lists.kernel,
             )
 
 

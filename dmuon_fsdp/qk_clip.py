@@ -76,10 +76,18 @@ class QKClip:
     replaces the optimizer's parameters, build a new QKClip.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layers: Sequence[AttentionWeights],
-                 tau: float | None = 100.0, alpha: float = 0.5, group: Any = None):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        layers: Sequence[AttentionWeights],
+        tau: float | None = 100.0,
+        alpha: float = 0.5,
+        group: Any = None,
+    ):
         if tau is not None and not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
-            raise ValueError(f"tau must be a finite number > 0 (or None: only reduce the logits), got {tau!r}")
+            raise ValueError(
+                f"tau must be a finite number > 0 (or None: only reduce the logits), got {tau!r}"
+            )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         known = {p for group in optimizer.param_groups for p in group["params"]}
@@ -87,7 +95,9 @@ class QKClip:
         self.tau, self.alpha, self.layers, self.group = tau, float(alpha), tuple(layers), group
         self._ranges = [self._check(i, layer, known, names) for i, layer in enumerate(self.layers)]
         self._first_rows = {
-            p: _first_row(p, names(p, f"shape {tuple(p.shape)}")) for layer in self.layers for p in (layer.q, layer.k)
+            p: _first_row(p, names(p, f"shape {tuple(p.shape)}"))
+            for layer in self.layers
+            for p in (layer.q, layer.k)
         }
         self.width = max((layer.heads for layer in self.layers), default=0)
 
@@ -98,28 +108,49 @@ class QKClip:
         """The (q rows, k rows) ranges of layer ``i``, after checking it."""
         kv_heads = layer.kv_heads or layer.heads
         ranges = []
-        for role, param, rows, heads in (("q", layer.q, layer.q_rows, layer.heads), ("k", layer.k, layer.k_rows, kv_heads)):
+        for role, param, rows, heads in (
+            ("q", layer.q, layer.q_rows, layer.heads),
+            ("k", layer.k, layer.k_rows, kv_heads),
+        ):
             name = names(param, f"layers[{i}].{role}")
             if param not in known:
-                raise ValueError(f"layers[{i}].{role} ({name}, shape {tuple(param.shape)}) is not a parameter of the optimizer")
+                raise ValueError(
+                    f"layers[{i}].{role} ({name}, shape {tuple(param.shape)}) is not a parameter of the "
+                    "optimizer"
+                )
             if param.ndim != 2:
-                raise ValueError(f"layers[{i}].{role} ({name}) has shape {tuple(param.shape)}: a 2-D weight is needed")
+                raise ValueError(
+                    f"layers[{i}].{role} ({name}) has shape {tuple(param.shape)}: a 2-D weight is needed"
+                )
             start, stop = rows if rows is not None else (0, param.shape[0])
             if not 0 <= start < stop <= param.shape[0]:
-                raise ValueError(f"layers[{i}].{role}_rows {rows} is not a row range of {name} ({param.shape[0]} rows)")
+                raise ValueError(
+                    f"layers[{i}].{role}_rows {rows} is not a row range of {name} ({param.shape[0]} rows)"
+                )
             if not (isinstance(heads, int) and heads > 0 and (stop - start) % heads == 0):
-                raise ValueError(f"layers[{i}]: the {stop - start} {role} rows of {name} do not split into {heads} heads")
+                raise ValueError(
+                    f"layers[{i}]: the {stop - start} {role} rows of {name} do not split into {heads} heads"
+                )
             ranges.append((start, stop))
-        if layer.q is layer.k and (layer.q_rows is None or layer.k_rows is None or
-                                   max(ranges[0][0], ranges[1][0]) < min(ranges[0][1], ranges[1][1])):
-            raise ValueError(f"layers[{i}]: a fused weight passed as both q and k needs disjoint q_rows and k_rows "
-                             f"(got {layer.q_rows} and {layer.k_rows})")  # fmt: skip
+        if layer.q is layer.k and (
+            layer.q_rows is None
+            or layer.k_rows is None
+            or max(ranges[0][0], ranges[1][0]) < min(ranges[0][1], ranges[1][1])
+        ):
+            raise ValueError(
+                f"layers[{i}]: a fused weight passed as both q and k needs disjoint q_rows and k_rows "
+                f"(got {layer.q_rows} and {layer.k_rows})"
+            )
         if layer.heads % kv_heads:
-            raise ValueError(f"layers[{i}]: {layer.heads} query heads do not split into {kv_heads} key-head groups")
+            raise ValueError(
+                f"layers[{i}]: {layer.heads} query heads do not split into {kv_heads} key-head groups"
+            )
         (q0, q1), (k0, k1) = ranges
         if (q1 - q0) // layer.heads != (k1 - k0) // kv_heads:
-            raise ValueError(f"layers[{i}]: query heads of {(q1 - q0) // layer.heads} rows, key heads of "
-                             f"{(k1 - k0) // kv_heads}: they must match")  # fmt: skip
+            raise ValueError(
+                f"layers[{i}]: query heads of {(q1 - q0) // layer.heads} rows, key heads of "
+                f"{(k1 - k0) // kv_heads}: they must match"
+            )
         return ranges[0], ranges[1]
 
     def clip(self, max_logits: Sequence[Tensor]) -> Tensor:
@@ -149,9 +180,11 @@ class QKClip:
     def _raise_for(self, flags: list[list[float]]) -> None:
         for i, (shape, nan) in enumerate(flags):
             if shape:
-                raise ValueError(f"max_logits must be {len(self.layers)} tensors, max_logits[{i}] of shape "
-                                 f"({self.layers[i].heads},) (one logit per query head), on every rank; some "
-                                 "rank passed another count, type or shape")  # fmt: skip
+                raise ValueError(
+                    f"max_logits must be {len(self.layers)} tensors, max_logits[{i}] of shape "
+                    f"({self.layers[i].heads},) (one logit per query head), on every rank; some "
+                    "rank passed another count, type or shape"
+                )
             if nan:
                 raise ValueError(f"max_logits[{i}] holds NaN or +inf on some rank")
 
@@ -165,11 +198,17 @@ class QKClip:
             if not bool((worst > self.tau).any()):
                 continue
             gamma = torch.where(worst > self.tau, self.tau / worst, torch.ones_like(worst))
-            for param, start, stop, power in ((layer.q, q0, q1, self.alpha), (layer.k, k0, k1, 1.0 - self.alpha)):
+            for param, start, stop, power in (
+                (layer.q, q0, q1, self.alpha),
+                (layer.k, k0, k1, 1.0 - self.alpha),
+            ):
                 rows = factors.setdefault(param, torch.ones(param.shape[0]))
                 rows[start:stop] *= gamma.pow(power).repeat_interleave((stop - start) // groups)
         with torch.no_grad():
             for param, rows in factors.items():
-                local, first = local_shard(param), self._first_rows[param]  # the shard read now: storage may change
+                local, first = (
+                    local_shard(param),
+                    self._first_rows[param],
+                )  # the shard read now: storage may change
                 if local.shape[0]:
                     local.mul_(rows[first : first + local.shape[0], None].to(local))

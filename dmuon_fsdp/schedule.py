@@ -126,12 +126,16 @@ def _moves(plan: Plan, bucket: Bucket, to_owners: bool) -> bool:
         owner = plan.owners[j]
         if to_owners and plan.senders[j] - {owner}:
             return True
-        if not to_owners and any(piece.numel for r, piece in enumerate(plan.matrices[j].pieces) if r != owner):
+        if not to_owners and any(
+            piece.numel for r, piece in enumerate(plan.matrices[j].pieces) if r != owner
+        ):
             return True
     return False
 
 
-def _wire(sends: dict, receives: dict, peers: Sequence[int], me: int, flags: int, needed: bool) -> Wire | None:
+def _wire(
+    sends: dict, receives: dict, peers: Sequence[int], me: int, flags: int, needed: bool
+) -> Wire | None:
     if not (needed or flags):
         return None
     send = tuple(tuple(sends.get(q, ())) if q != me else () for q in peers)
@@ -186,7 +190,10 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
         for t in [t for segment in arriving for t in segment] + list(bucket.own_pieces):
             m, p = plan.matrices[t.matrix], t.piece
             if t.matrix not in covered or p.row + p.rows > m.rows or p.col + p.cols > m.cols:
-                fail(f"bucket {k} receives {p} of matrix {t.matrix}, which it does not own or which lies outside it")
+                fail(
+                    f"bucket {k} receives {p} of matrix {t.matrix}, which it does not own or which lies "
+                    "outside it"
+                )
             covered[t.matrix] += p.numel
         for j, area in covered.items():
             if area != plan.matrices[j].numel:

@@ -41,7 +41,9 @@ class StepStats:
     collectives: int = 0
     skipped: bool = False
 
-    def count(self, ns_flops: int, bytes_sent: int, bytes_received: int, flag_bytes: int, collectives: int) -> None:
+    def count(
+        self, ns_flops: int, bytes_sent: int, bytes_received: int, flag_bytes: int, collectives: int
+    ) -> None:
         """What the step program does every step (``StepProgram.counts``)."""
         self.ns_flops, self.bytes_sent, self.bytes_received = ns_flops, bytes_sent, bytes_received
         self.flag_bytes, self.collectives = flag_bytes, collectives

@@ -34,7 +34,11 @@ class Followed:
 
 
 def follow(
-    groups: list[dict[str, Any]], known: list[tuple[int, Tensor]], names: dict[Tensor, str], state: Any, written: bool
+    groups: list[dict[str, Any]],
+    known: list[tuple[int, Tensor]],
+    names: dict[Tensor, str],
+    state: Any,
+    written: bool,
 ) -> Followed | None:
     """Follow tensors replaced in ``groups`` since the optimizer knew them as ``known``: None
     when none was; otherwise everything is checked first (order, shapes, meshes; errors name the
@@ -52,7 +56,10 @@ def follow(
         if new is old:
             state[new] = saved
         elif written:
-            state[new] = {key: value.to(new.device) if key == "step" else placed_like(value, new) for key, value in saved.items()}
+            state[new] = {
+                key: value.to(new.device) if key == "step" else placed_like(value, new)
+                for key, value in saved.items()
+            }
         else:
             state[new] = initial_state(new, groups[g]["use_muon"])
     return Followed(now, names, meshes)
@@ -73,12 +80,17 @@ def indexed(groups: list[dict[str, Any]]) -> list[tuple[int, Tensor]]:
     return [(g, p) for g, group in enumerate(groups) for p in group["params"]]
 
 
-def check(known: list[tuple[int, Tensor]], current: list[tuple[int, Tensor]], names: dict[Tensor, str],
-          keeps_values: bool) -> None:  # fmt: skip
+def check(
+    known: list[tuple[int, Tensor]],
+    current: list[tuple[int, Tensor]],
+    names: dict[Tensor, str],
+    keeps_values: bool,
+) -> None:
     """A replacement must be one for one: same count per group, each tensor with its
-    predecessor's global shape, none twice; with ``keeps_values`` (state a step or a load has written), state must
-    be movable exactly (not on the meta device, dtype not narrowed). Raises naming the parameter;
-    every rank sees the same shapes and dtypes, so every rank raises alike, before any move."""
+    predecessor's global shape, none twice; with ``keeps_values`` (state a step or a load has
+    written), state must be movable exactly (not on the meta device, dtype not narrowed). Raises
+    naming the parameter; every rank sees the same shapes and dtypes, so every rank raises
+    alike, before any move."""
     if [g for g, _ in current] != [g for g, _ in known]:
         raise ValueError(
             f"param_groups now hold {_group_sizes(current)} parameters per group, the optimizer was given "
@@ -95,7 +107,8 @@ def check(known: list[tuple[int, Tensor]], current: list[tuple[int, Tensor]], na
         seen.add(new)
         if tuple(new.shape) != tuple(old.shape):
             raise ValueError(
-                f"{name} was replaced in param_groups by a tensor of shape {tuple(new.shape)}: replacements must "
+                f"{name} was replaced in param_groups by a tensor of shape {tuple(new.shape)}: replacements "
+                "must "
                 "keep each parameter's (global) shape and the order"
             )
         if keeps_values and new is not old:
@@ -134,7 +147,9 @@ def placed_like(value: Tensor, param: Tensor) -> Tensor:
         else:
             value = value.full_tensor()
     if isinstance(param, DTensor) and not isinstance(value, DTensor):  # DTensor's rule, no communication
-        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        value = distribute_tensor(
+            value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        )
     out = torch.empty_like(param, memory_format=torch.preserve_format)
     local_shard(out).copy_(local_shard(value))
     return out

@@ -35,11 +35,17 @@ class Options:
     check_grads: bool = True
 
     def __post_init__(self) -> None:
-        if self.ns_dtype is not None and not (isinstance(self.ns_dtype, torch.dtype) and self.ns_dtype.is_floating_point):
+        if self.ns_dtype is not None and not (
+            isinstance(self.ns_dtype, torch.dtype) and self.ns_dtype.is_floating_point
+        ):
             raise ValueError(f"ns_dtype must be a floating-point torch.dtype or None, got {self.ns_dtype!r}")
         if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
             raise ValueError(f"comm_dtype must be one of {COMM_DTYPES} or None, got {self.comm_dtype}")
-        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+        if (
+            isinstance(self.bucket_bytes, bool)
+            or not isinstance(self.bucket_bytes, int)
+            or self.bucket_bytes < 1
+        ):
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
@@ -79,7 +85,10 @@ def _non_negative(group: dict[str, Any], *keys: str) -> None:
 
 
 def split_group(
-    param_group: dict[str, Any], first_index: int, known: dict[Tensor, str], defaults: dict[str, Any],
+    param_group: dict[str, Any],
+    first_index: int,
+    known: dict[Tensor, str],
+    defaults: dict[str, Any],
     route: dict[Tensor, tuple[str, bool]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[Tensor, str]]:
     """Route a param group's parameters: a Muon group and/or an AdamW group (AdamW's lr, betas,
@@ -105,15 +114,21 @@ def split_group(
         if not isinstance(item, tuple):
             name = f"{name} (shape {tuple(p.shape)})"
         if p in known or p in names:
-            raise ValueError(f"{name} is passed to the optimizer twice (first as {known.get(p, names.get(p))})")
+            raise ValueError(
+                f"{name} is passed to the optimizer twice (first as {known.get(p, names.get(p))})"
+            )
         if route is not None and p not in route:
             raise ValueError(f"{name} is not a parameter of the model given as route")
         if route is not None and not isinstance(item, tuple):
             name = route[p][0]
-        route_to_muon = use_muon if use_muon is not None else route[p][1] if route is not None else p.ndim >= 2
+        route_to_muon = (
+            use_muon if use_muon is not None else route[p][1] if route is not None else p.ndim >= 2
+        )
         if route_to_muon and p.ndim < 2:
-            raise ValueError(f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon needs a "
-                             "matrix (ndim >= 2)")  # fmt: skip
+            raise ValueError(
+                f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon needs a matrix "
+                "(ndim >= 2)"
+            )
         if p.is_complex():
             raise ValueError(f"{name}: complex parameters are not supported")
         names[p] = name
@@ -143,10 +158,13 @@ def check_muon_group(group: dict[str, Any]) -> None:
     if split_sizes is not None and num_heads is not None:
         raise ValueError("set at most one of split_sizes and num_heads")
     if split_sizes is not None and not (
-        len(split_sizes) > 0 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split_sizes)
+        len(split_sizes) > 0
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split_sizes)
     ):
         raise ValueError(f"split_sizes must be a non-empty list of positive integers, got {split_sizes!r}")
-    if num_heads is not None and not (isinstance(num_heads, int) and not isinstance(num_heads, bool) and num_heads > 0):
+    if num_heads is not None and not (
+        isinstance(num_heads, int) and not isinstance(num_heads, bool) and num_heads > 0
+    ):
         raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
     if not isinstance(group["flatten"], bool):
         raise ValueError(f"flatten must be True or False, got {group['flatten']!r}")
@@ -165,10 +183,14 @@ def check_saved_state(name: str, param: Tensor, expected: dict[str, Any], saved:
         raise ValueError(f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}")
     for key, value in saved.items():
         if key != "step" and tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(f"{name}: saved {key} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            raise ValueError(
+                f"{name}: saved {key} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+            )
 
 
-def check_state_dict(state_dict: dict[str, Any], groups: list[dict[str, Any]], names: dict, state: Any) -> None:
+def check_state_dict(
+    state_dict: dict[str, Any], groups: list[dict[str, Any]], names: dict, state: Any
+) -> None:
     """A state dict to load must match the optimizer group by group and parameter by parameter."""
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     if len(saved_groups) != len(groups):
@@ -177,14 +199,18 @@ def check_state_dict(state_dict: dict[str, Any], groups: list[dict[str, Any]], n
         if len(saved["params"]) != len(group["params"]) or saved.get("use_muon") != group["use_muon"]:
             raise ValueError(
                 f"param group {index}: state dict has {len(saved['params'])} parameters (use_muon="
-                f"{saved.get('use_muon')}), this optimizer {len(group['params'])} (use_muon={group['use_muon']})"
+                f"{saved.get('use_muon')}), this optimizer {len(group['params'])} "
+                f"(use_muon={group['use_muon']})"
             )
         for key, p in zip(saved["params"], group["params"]):
             check_saved_state(names[p], p, state[p], saved_state.get(key, {}))
 
 
 def check_new_groups(
-    new_groups: list[dict[str, Any]], names: dict[Tensor, str], defaults: dict[str, Any], meshes: dict[Any, str]
+    new_groups: list[dict[str, Any]],
+    names: dict[Tensor, str],
+    defaults: dict[str, Any],
+    meshes: dict[Any, str],
 ) -> dict[Any, str]:
     """Validate hyper-parameters and layouts of groups about to be added to the optimizer.
 

@@ -43,7 +43,9 @@ def is_complete(path: Path) -> bool:
 
 def all_steps(run_dir: str | Path) -> list[Path]:
     """Every checkpoint directory of a run (named step_N), complete or not, oldest first."""
-    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir() and step_of(p) is not None]
+    found = [
+        p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir() and step_of(p) is not None
+    ]
     return sorted(found, key=step_of)
 
 
@@ -101,7 +103,9 @@ def _without_newer_group_options(state: dict, path: str | Path) -> None:
         return  # an unreadable checkpoint: _read names the cause
     for i, opt_state in enumerate(state["optimizers"]):
         for g, group in enumerate(opt_state["param_groups"]):
-            for key in [k for k in group if f"optimizers.{i}.param_groups.{g}.{k}" not in saved and k != "params"]:
+            for key in [
+                k for k in group if f"optimizers.{i}.param_groups.{g}.{k}" not in saved and k != "params"
+            ]:
                 del group[key]
 
 

@@ -98,8 +98,17 @@ def stdlib_corpus(cache_dir: str | Path, max_files: int | None = None) -> Corpus
             _write_tokens(path, bytes(as_uint16))
     train, val = (_read_uint16(paths[s]) for s in ("train", "val"))
     description = f"python stdlib source, {len(files)} files"
-    return Corpus(train, val, 256, description, f"{description} (train)", f"{description} (every 20th file)",
-                  largest_token(train), largest_token(val), byte_level=True)  # fmt: skip
+    return Corpus(
+        train,
+        val,
+        256,
+        description,
+        f"{description} (train)",
+        f"{description} (every 20th file)",
+        largest_token(train),
+        largest_token(val),
+        byte_level=True,
+    )
 
 
 def token_file_corpus(path: str | Path, vocab_size: int | None = None) -> Corpus:
@@ -117,8 +126,16 @@ def token_file_corpus(path: str | Path, vocab_size: int | None = None) -> Corpus
         cut = int(len(tokens) * (1 - VAL_FRACTION))
         train, val = tokens[:cut], tokens[cut:]
         sources = (f"{path} (first {1 - VAL_FRACTION:.0%})", f"{path} (last {VAL_FRACTION:.0%})")
-    return Corpus(train, val, vocab_size, f"token file {path}", *sources,
-                  largest_token(train), largest_token(val), byte_level=False)  # fmt: skip
+    return Corpus(
+        train,
+        val,
+        vocab_size,
+        f"token file {path}",
+        *sources,
+        largest_token(train),
+        largest_token(val),
+        byte_level=False,
+    )
 
 
 def text_corpus(path: str | Path) -> Corpus:
@@ -130,8 +147,17 @@ def text_corpus(path: str | Path) -> Corpus:
         tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int16)
     cut = int(len(tokens) * (1 - VAL_FRACTION))
     train, val = tokens[:cut], tokens[cut:]
-    return Corpus(train, val, 256, f"text file {path}", f"{path} (first {1 - VAL_FRACTION:.0%})",
-                  f"{path} (last {VAL_FRACTION:.0%})", largest_token(train), largest_token(val), byte_level=True)  # fmt: skip
+    return Corpus(
+        train,
+        val,
+        256,
+        f"text file {path}",
+        f"{path} (first {1 - VAL_FRACTION:.0%})",
+        f"{path} (last {VAL_FRACTION:.0%})",
+        largest_token(train),
+        largest_token(val),
+        byte_level=True,
+    )
 
 
 def batch_for_step(

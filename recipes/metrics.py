@@ -17,8 +17,18 @@ from recipes.model import ModelConfig
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets, matched
 # against torch.cuda.get_device_name; the first match wins, so the more specific names come first.
-GPU_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
-                   ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0))  # fmt: skip
+GPU_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -55,8 +65,12 @@ def step_times(fwd_bwd_ms: list[float], opt_ms: list[float]) -> dict:
     skip = min(WARMUP_STEPS, len(fwd_bwd_ms) - 1)
     fwd_bwd, opt = fwd_bwd_ms[skip:], opt_ms[skip:]
     step = statistics.median(a + b for a, b in zip(fwd_bwd, opt))
-    return {"median_step_ms": step, "median_opt_ms": statistics.median(opt),
-            "median_fwd_bwd_ms": statistics.median(fwd_bwd), "optimizer_share": statistics.median(opt) / step}  # fmt: skip
+    return {
+        "median_step_ms": step,
+        "median_opt_ms": statistics.median(opt),
+        "median_fwd_bwd_ms": statistics.median(fwd_bwd),
+        "optimizer_share": statistics.median(opt) / step,
+    }
 
 
 def peak_memory_mb(device: torch.device) -> float:

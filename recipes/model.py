@@ -32,10 +32,26 @@ PRESETS = {
     "cpu-demo": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, seq_len=128),
     # Benchmarks on CPU: big enough that Newton-Schulz dominates the optimizer step.
     "cpu-bench": ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=688, seq_len=128),
-    "124m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, seq_len=1024,
-                        vocab_size=50304, tie_embeddings=True),  # fmt: skip
-    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, seq_len=2048,
-                      vocab_size=50304, tie_embeddings=True),  # fmt: skip
+    "124m": ModelConfig(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,
+        ffn_dim=2048,
+        seq_len=1024,
+        vocab_size=50304,
+        tie_embeddings=True,
+    ),
+    "1b": ModelConfig(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        seq_len=2048,
+        vocab_size=50304,
+        tie_embeddings=True,
+    ),
 }
 
 
@@ -63,7 +79,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
-            raise ValueError(f"dim {cfg.dim}, n_heads {cfg.n_heads}, n_kv_heads {cfg.n_kv_heads} do not divide")
+            raise ValueError(
+                f"dim {cfg.dim}, n_heads {cfg.n_heads}, n_kv_heads {cfg.n_kv_heads} do not divide"
+            )
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         head_dim = cfg.dim // cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * head_dim, bias=False)
@@ -100,7 +118,9 @@ def causal_max_logits(q: torch.Tensor, k: torch.Tensor, chunk: int = 128) -> tor
         stop = min(start + chunk, t)  # keys past the chunk's last query are all masked: left out
         scores = torch.einsum("bhqd,bhkd->bhqk", q[:, :, start:stop], k[:, :, :stop]) * scale
         rows = torch.arange(start, stop, device=q.device)
-        scores.masked_fill_(torch.arange(stop, device=q.device) > rows[:, None], -torch.inf)  # key after query
+        scores.masked_fill_(
+            torch.arange(stop, device=q.device) > rows[:, None], -torch.inf
+        )  # key after query
         best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
     return best
 

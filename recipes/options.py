@@ -39,65 +39,137 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     model = p.add_argument_group("model")
     model.add_argument("--preset", default="cpu-demo", choices=sorted(PRESETS), help="model size")
     model.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
-    model.add_argument("--tie-embeddings", action="store_true", default=None,
-                       help="share the input embedding with the output head (default: the preset's choice)")
-    model.add_argument("--vocab-size", type=int, default=None,
-                       help="vocabulary of a --data token file (default: the preset's)")
+    model.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        default=None,
+        help="share the input embedding with the output head (default: the preset's choice)",
+    )
+    model.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary of a --data token file (default: the preset's)",
+    )
     model.add_argument("--compile", action="store_true", help="torch.compile each block")
 
     data = p.add_argument_group("data (default: the Python standard library's source, byte level)")
-    data.add_argument("--data", default=None, help="nanoGPT-style uint16 token file (val.bin beside it, else its last 5%%)")
-    data.add_argument("--text", default=None, help="plain text file, byte-level tokens (its last 5%% validates)")
-    data.add_argument("--cache-dir", default="runs/cache", help="where the standard library's tokens are cached")
+    data.add_argument(
+        "--data", default=None, help="nanoGPT-style uint16 token file (val.bin beside it, else its last 5%%)"
+    )
+    data.add_argument(
+        "--text", default=None, help="plain text file, byte-level tokens (its last 5%% validates)"
+    )
+    data.add_argument(
+        "--cache-dir", default="runs/cache", help="where the standard library's tokens are cached"
+    )
 
     opt = p.add_argument_group("optimization")
-    opt.add_argument("--optimizer", default="dmuon", choices=sorted(DEFAULT_LR),
-                     help="dmuon: DMuonFSDP; torch-muon: torch.optim.Muon on the FSDP2 parameters; adamw")
+    opt.add_argument(
+        "--optimizer",
+        default="dmuon",
+        choices=sorted(DEFAULT_LR),
+        help="dmuon: DMuonFSDP; torch-muon: torch.optim.Muon on the FSDP2 parameters; adamw",
+    )
     opt.add_argument("--steps", type=int, default=400, help="optimizer steps of the whole run")
     opt.add_argument("--batch-size", type=int, default=16, help="global sequences per optimizer step")
     opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    opt.add_argument("--lr", type=float, default=None,
-                     help="peak lr; the Muon lr for dmuon/torch-muon (default: 0.01 for Muon, 3e-3 for adamw)")
-    opt.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW lr of embeddings, head and vectors in Muon runs")
+    opt.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak lr; the Muon lr for dmuon/torch-muon (default: 0.01 for Muon, 3e-3 for adamw)",
+    )
+    opt.add_argument(
+        "--adamw-lr", type=float, default=3e-3, help="AdamW lr of embeddings, head and vectors in Muon runs"
+    )
     opt.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay")
-    opt.add_argument("--ns-algorithm", default=None, choices=NS_ALGORITHMS,
-                     help="DMuonFSDP's Newton-Schulz form: standard, gram, or auto (Gram where it needs fewer "
-                          "flops: the MLP matrices) (default: standard)")  # fmt: skip
+    opt.add_argument(
+        "--ns-algorithm",
+        default=None,
+        choices=NS_ALGORITHMS,
+        help="DMuonFSDP's Newton-Schulz form: standard, gram, or auto (Gram where it needs fewer "
+        "flops: the MLP matrices) (default: standard)",
+    )
     opt.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     opt.add_argument("--decay", default="cosine", choices=["cosine", "linear"], help="lr decay after warm-up")
     opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
-    opt.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm to this (0: off; the norm is logged)")
+    opt.add_argument(
+        "--clip", type=float, default=1.0, help="clip the gradient norm to this (0: off; the norm is logged)"
+    )
     opt.add_argument("--seed", type=int, default=0, help="seeds the model and the batches")
-    opt.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
-                     help="QK-clip (MuonClip) after each optimizer step: shrink the q/k rows of heads whose "
-                          "largest pre-softmax logit passed TAU (logs max logits too)")  # fmt: skip
-    opt.add_argument("--qk-clip-alpha", type=float, default=None,
-                     help="the q side's share of the QK-clip factor (default: 0.5)")
-    opt.add_argument("--max-logits", action="store_true",
-                     help="log each layer's largest pre-softmax logit (metrics max_logit, max_logit_per_layer)")
+    opt.add_argument(
+        "--qk-clip",
+        type=float,
+        default=None,
+        metavar="TAU",
+        help="QK-clip (MuonClip) after each optimizer step: shrink the q/k rows of heads whose "
+        "largest pre-softmax logit passed TAU (logs max logits too)",
+    )
+    opt.add_argument(
+        "--qk-clip-alpha",
+        type=float,
+        default=None,
+        help="the q side's share of the QK-clip factor (default: 0.5)",
+    )
+    opt.add_argument(
+        "--max-logits",
+        action="store_true",
+        help="log each layer's largest pre-softmax logit (metrics max_logit, max_logit_per_layer)",
+    )
 
     run = p.add_argument_group("run directory, checkpoints and logging")
-    run.add_argument("--run-dir", default=None, help="where config, metrics and checkpoints go (default: the run "
-                                                      "--resume names, else runs/<preset>-<optimizer>)")  # fmt: skip
+    run.add_argument(
+        "--run-dir",
+        default=None,
+        help="where config, metrics and checkpoints go (default: the run "
+        "--resume names, else runs/<preset>-<optimizer>)",
+    )
     run.add_argument("--overwrite", action="store_true", help="delete an earlier run in --run-dir first")
-    run.add_argument("--resume", default=None,
-                     help="continue from a run directory (its newest complete checkpoint), a checkpoint "
-                          "step directory, or 'auto' (--run-dir's newest, or a fresh start)")  # fmt: skip
-    run.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never, see --save-final)")
+    run.add_argument(
+        "--resume",
+        default=None,
+        help="continue from a run directory (its newest complete checkpoint), a checkpoint "
+        "step directory, or 'auto' (--run-dir's newest, or a fresh start)",
+    )
+    run.add_argument(
+        "--save-every", type=int, default=0, help="checkpoint every N steps (0: never, see --save-final)"
+    )
     run.add_argument("--save-final", action="store_true", help="checkpoint after the last step")
-    run.add_argument("--keep-last", type=int, default=0, help="keep only the newest K complete checkpoints (0: all)")
-    run.add_argument("--val-every", type=int, default=50, help="validation loss every N steps (and at the end)")
+    run.add_argument(
+        "--keep-last", type=int, default=0, help="keep only the newest K complete checkpoints (0: all)"
+    )
+    run.add_argument(
+        "--val-every", type=int, default=50, help="validation loss every N steps (and at the end)"
+    )
     run.add_argument("--val-batches", type=int, default=4, help="validation batches per evaluation")
-    run.add_argument("--peak-tflops", type=float, default=None,
-                     help="peak TFLOP/s of one device for MFU (default: known GPUs; none on CPU)")
-    run.add_argument("--tensorboard", action="store_true", help="also log to <run-dir>/tensorboard (needs tensorboard)")
+    run.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak TFLOP/s of one device for MFU (default: known GPUs; none on CPU)",
+    )
+    run.add_argument(
+        "--tensorboard", action="store_true", help="also log to <run-dir>/tensorboard (needs tensorboard)"
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     system = p.add_argument_group("system")
-    system.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when present")
-    system.add_argument("--replicas", type=int, default=1,
-                        help="HSDP: replicate over this many groups, shard within each (world size / replicas)")
-    system.add_argument("--threads", type=int, default=None, help="torch threads per rank on CPU (default: cores / local ranks)")
+    system.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when present"
+    )
+    system.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="HSDP: replicate over this many groups, shard within each (world size / replicas)",
+    )
+    system.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank on CPU (default: cores / local ranks)",
+    )
     return p
 
 
@@ -119,15 +191,29 @@ def _resumed_run_dir(resume: str | None) -> str | None:
 
 def check_numbers(args: argparse.Namespace, world_size: int) -> None:
     """Raise UsageError for flags out of range, naming the flag and its value."""
-    at_least = {"--steps": (args.steps, 1), "--batch-size": (args.batch_size, 1), "--grad-accum": (args.grad_accum, 1),
-                "--warmup": (args.warmup, 0), "--val-every": (args.val_every, 1), "--val-batches": (args.val_batches, 1),
-                "--save-every": (args.save_every, 0), "--keep-last": (args.keep_last, 0), "--replicas": (args.replicas, 1),
-                "--seq-len": (args.seq_len, 1), "--vocab-size": (args.vocab_size, 1), "--threads": (args.threads, 1)}  # fmt: skip
+    at_least = {
+        "--steps": (args.steps, 1),
+        "--batch-size": (args.batch_size, 1),
+        "--grad-accum": (args.grad_accum, 1),
+        "--warmup": (args.warmup, 0),
+        "--val-every": (args.val_every, 1),
+        "--val-batches": (args.val_batches, 1),
+        "--save-every": (args.save_every, 0),
+        "--keep-last": (args.keep_last, 0),
+        "--replicas": (args.replicas, 1),
+        "--seq-len": (args.seq_len, 1),
+        "--vocab-size": (args.vocab_size, 1),
+        "--threads": (args.threads, 1),
+    }
     for flag, (value, low) in at_least.items():
         if value is not None and value < low:
             raise UsageError(f"{flag} must be at least {low} (got {value})")
-    for flag, value in {"--lr": args.lr, "--adamw-lr": args.adamw_lr, "--peak-tflops": args.peak_tflops,
-                        "--qk-clip": args.qk_clip}.items():  # fmt: skip
+    for flag, value in {
+        "--lr": args.lr,
+        "--adamw-lr": args.adamw_lr,
+        "--peak-tflops": args.peak_tflops,
+        "--qk-clip": args.qk_clip,
+    }.items():
         if value is not None and not value > 0:
             raise UsageError(f"{flag} must be positive (got {value:g})")
     for flag, value in {"--weight-decay": args.weight_decay, "--clip": args.clip}.items():
@@ -142,13 +228,17 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {args.min_lr_ratio:g})")
     if args.batch_size % (world_size * args.grad_accum):
-        raise UsageError(f"--batch-size {args.batch_size} must be divisible by ranks x --grad-accum "
-                         f"({world_size} x {args.grad_accum} = {world_size * args.grad_accum})")  # fmt: skip
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be divisible by ranks x --grad-accum "
+            f"({world_size} x {args.grad_accum} = {world_size * args.grad_accum})"
+        )
     if world_size % args.replicas:
         raise UsageError(f"--replicas {args.replicas} does not divide the world size {world_size}")
     if args.data and args.text:
         raise UsageError("pass at most one of --data and --text")
     if args.ns_algorithm is not None and args.optimizer != "dmuon":
-        raise UsageError(f"--ns-algorithm applies to --optimizer dmuon only (got --optimizer {args.optimizer})")
+        raise UsageError(
+            f"--ns-algorithm applies to --optimizer dmuon only (got --optimizer {args.optimizer})"
+        )
     if args.overwrite and args.resume == "auto":
         raise UsageError("--overwrite and --resume auto contradict each other: pass one")

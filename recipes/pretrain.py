@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
-
 
 from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups
 from recipes import checkpoint, options, run_dir
@@ -68,19 +67,29 @@ def load_corpus(args: argparse.Namespace) -> Corpus:
 
 def check_corpus(corpus: Corpus, cfg: ModelConfig, args: argparse.Namespace, world_size: int) -> None:
     """Both streams fit the model: ids inside the vocabulary, long enough for their windows."""
-    for split, source, tokens, largest in (("training", corpus.train_source, corpus.train, corpus.train_max),
-                                           ("validation", corpus.val_source, corpus.val, corpus.val_max)):  # fmt: skip
+    for split, source, tokens, largest in (
+        ("training", corpus.train_source, corpus.train, corpus.train_max),
+        ("validation", corpus.val_source, corpus.val, corpus.val_max),
+    ):
         if largest >= cfg.vocab_size:
-            raise UsageError(f"{split} data {source}: token id {largest} is outside the vocabulary of "
-                             f"{cfg.vocab_size} (preset {args.preset}); pass --vocab-size {largest + 1} or more")  # fmt: skip
+            raise UsageError(
+                f"{split} data {source}: token id {largest} is outside the vocabulary of "
+                f"{cfg.vocab_size} (preset {args.preset}); pass --vocab-size {largest + 1} or more"
+            )
         if len(tokens) <= cfg.seq_len + 1:
-            raise UsageError(f"{split} data {source}: {len(tokens)} tokens are too few for one window of "
-                             f"--seq-len + 1 = {cfg.seq_len + 1}")  # fmt: skip
+            raise UsageError(
+                f"{split} data {source}: {len(tokens)} tokens are too few for one window of "
+                f"--seq-len + 1 = {cfg.seq_len + 1}"
+            )
     windows = max(1, args.batch_size // world_size) * args.val_batches * world_size
-    if len(corpus.val) < windows + cfg.seq_len:  # validation_batches spaces its windows a token apart at least
-        raise UsageError(f"validation data {corpus.val_source}: {len(corpus.val)} tokens are too few for "
-                         f"{windows} windows of {cfg.seq_len + 1} (--val-batches {args.val_batches}); "
-                         f"it needs {windows + cfg.seq_len}: lower --val-batches or --batch-size")  # fmt: skip
+    if (
+        len(corpus.val) < windows + cfg.seq_len
+    ):  # validation_batches spaces its windows a token apart at least
+        raise UsageError(
+            f"validation data {corpus.val_source}: {len(corpus.val)} tokens are too few for "
+            f"{windows} windows of {cfg.seq_len + 1} (--val-batches {args.val_batches}); "
+            f"it needs {windows + cfg.seq_len}: lower --val-batches or --batch-size"
+        )
 
 
 @dataclass
@@ -98,8 +107,12 @@ def prepare(args: argparse.Namespace, world_size: int) -> Setup:
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("--tensorboard needs the tensorboard package (pip install tensorboard)")
     corpus = load_corpus(args)
-    cfg = preset(args.preset, seq_len=args.seq_len, vocab_size=args.vocab_size or corpus.vocab_size,
-                 tie_embeddings=args.tie_embeddings)  # fmt: skip
+    cfg = preset(
+        args.preset,
+        seq_len=args.seq_len,
+        vocab_size=args.vocab_size or corpus.vocab_size,
+        tie_embeddings=args.tie_embeddings,
+    )
     check_corpus(corpus, cfg, args, world_size)
     config = run_dir.make_config(args, world_size, corpus.description, corpus.byte_level, cfg)
     return Setup(corpus, cfg, run_dir.plan_start(args, config))
@@ -111,8 +124,14 @@ def build_optimizers(args: argparse.Namespace, model: torch.nn.Module) -> list[t
         return [torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=wd)]
     groups = param_groups(model, lr=args.lr, weight_decay=wd)
     if args.optimizer == "dmuon":
-        return [DMuonFSDP(groups, adamw_lr=args.adamw_lr, adamw_weight_decay=wd,
-                          ns_algorithm=args.ns_algorithm or "standard")]
+        return [
+            DMuonFSDP(
+                groups,
+                adamw_lr=args.adamw_lr,
+                adamw_weight_decay=wd,
+                ns_algorithm=args.ns_algorithm or "standard",
+            )
+        ]
     muon, adamw = ([p for _, p in g["params"]] for g in groups)
     return [
         torch.optim.Muon(muon, lr=args.lr, weight_decay=wd),
@@ -139,10 +158,14 @@ def setup_distributed(args: argparse.Namespace) -> torch.device:
         else:  # plain `python -m recipes.pretrain`: one process
             dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        device = torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+        )
         torch.cuda.set_device(device)
         return device
-    threads = args.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    threads = args.threads or max(
+        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    )
     torch.set_num_threads(threads)
     return torch.device("cpu")
 
@@ -150,11 +173,17 @@ def setup_distributed(args: argparse.Namespace) -> torch.device:
 def build_model(args: argparse.Namespace, cfg: ModelConfig, device: torch.device) -> Transformer:
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else None
+    )
     # An explicit mesh: without one FSDP2 uses the machine's accelerator even for a gloo CPU run.
     world = dist.get_world_size()
     if args.replicas > 1:
-        mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard")
+        )
     else:
         mesh = init_device_mesh(device.type, (world,))
     kwargs = {"mesh": mesh}
@@ -186,7 +215,9 @@ def gradient_norm(model: torch.nn.Module, clip: float) -> float:
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
-def qk_clip(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> QKClip | None:
+def qk_clip(
+    args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> QKClip | None:
     """With --qk-clip or --max-logits: every attention layer records its heads' largest logits,
     and a QKClip (reducing only, without --qk-clip) for the optimizer holding W_q and W_k."""
     if args.qk_clip is None and not args.max_logits:
@@ -195,8 +226,14 @@ def qk_clip(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.o
     for block in model.layers:
         attention = block.attention
         attention.track_max_logits = True
-        layers.append(AttentionWeights(attention.wq.weight, attention.wk.weight, attention.n_heads, attention.n_kv_heads))
-    return QKClip(optimizer, layers, tau=args.qk_clip, alpha=0.5 if args.qk_clip_alpha is None else args.qk_clip_alpha)
+        layers.append(
+            AttentionWeights(
+                attention.wq.weight, attention.wk.weight, attention.n_heads, attention.n_kv_heads
+            )
+        )
+    return QKClip(
+        optimizer, layers, tau=args.qk_clip, alpha=0.5 if args.qk_clip_alpha is None else args.qk_clip_alpha
+    )
 
 
 def keep_this_runs_settings(optimizers: list, schedulers: list, settings: list[list[dict]]) -> None:
@@ -206,7 +243,10 @@ def keep_this_runs_settings(optimizers: list, schedulers: list, settings: list[l
         for group, fresh in zip(opt.param_groups, groups):
             group.update(fresh)
         scheduler.base_lrs = [group["initial_lr"] for group in opt.param_groups]
-        lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        lrs = [
+            base * factor(scheduler.last_epoch)
+            for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+        ]
         for group, lr in zip(opt.param_groups, lrs):
             group["lr"] = lr
         scheduler._last_lr = lrs
@@ -225,7 +265,9 @@ def train(args: argparse.Namespace) -> dict:
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args)) for opt in optimizers]
     clip = qk_clip(args, model, optimizers[0])
     if start.checkpoint is not None:  # before the run dir changes: a bad checkpoint leaves it as it was
-        settings = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
+        settings = [
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers
+        ]
         checkpoint.load(start.checkpoint, model, optimizers, schedulers)
         keep_this_runs_settings(optimizers, schedulers, settings)
     say, elapsed = print, 0.0
@@ -235,15 +277,20 @@ def train(args: argparse.Namespace) -> dict:
         for note in start.notes:
             print(note, flush=True)
     dist.barrier()  # every rank writes checkpoints into the run dir rank 0 has just set up
-    val_data = validation_batches(corpus.val, cfg.seq_len, max(1, args.batch_size // world), args.val_batches, rank, world)
+    val_data = validation_batches(
+        corpus.val, cfg.seq_len, max(1, args.batch_size // world), args.val_batches, rank, world
+    )
     log = progress = None
     flops = flops_per_token(cfg)
     peak = peak_tflops(device, args.peak_tflops)
     if rank == 0:
         log = MetricsLog(start.run_dir, args.tensorboard, start.step + 1)
         resuming = f"; resuming from {start.checkpoint} (step {start.step})" if start.checkpoint else ""
-        print(f"{args.optimizer}: {model.num_params() / 1e6:.2f}M parameters, {world} ranks on {device}, "
-              f"{corpus.description}, run dir {start.run_dir}{resuming}", flush=True)  # fmt: skip
+        print(
+            f"{args.optimizer}: {model.num_params() / 1e6:.2f}M parameters, {world} ranks on {device}, "
+            f"{corpus.description}, run dir {start.run_dir}{resuming}",
+            flush=True,
+        )
         if not args.no_progress:
             progress = tqdm(total=args.steps, initial=start.step, desc=args.optimizer, dynamic_ncols=True)
             say = progress.write
@@ -253,7 +300,9 @@ def train(args: argparse.Namespace) -> dict:
     for step in range(start.step, args.steps):
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
-        inputs, targets = batch_for_step(corpus.train, cfg.seq_len, args.batch_size, args.seed, step, rank, world)
+        inputs, targets = batch_for_step(
+            corpus.train, cfg.seq_len, args.batch_size, args.seed, step, rank, world
+        )
         for block in model.layers:
             block.attention.max_logits = None  # this step's batch only
         for m, (x, y) in enumerate(zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum))):
@@ -283,9 +332,17 @@ def train(args: argparse.Namespace) -> dict:
         opt_times.append(t2 - t1)
         tokens_per_s = args.batch_size * cfg.seq_len / (t2 - t0)
         tflops = flops * tokens_per_s / world / 1e12
-        record = {"step": step + 1, "train_loss": train_loss, "grad_norm": grad_norm, "lr": lr,
-                  "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops,
-                  "fwd_bwd_ms": 1e3 * (t1 - t0), "opt_ms": 1e3 * (t2 - t1), "peak_memory_mb": peak_memory_mb(device)}  # fmt: skip
+        record = {
+            "step": step + 1,
+            "train_loss": train_loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_rank": tflops,
+            "fwd_bwd_ms": 1e3 * (t1 - t0),
+            "opt_ms": 1e3 * (t2 - t1),
+            "peak_memory_mb": peak_memory_mb(device),
+        }
         if peak:
             record["mfu"] = tflops / peak
         if logits is not None:  # reduced over the ranks: the batch's largest logits, before any clip
@@ -297,10 +354,17 @@ def train(args: argparse.Namespace) -> dict:
             record["time_s"] = elapsed + time.perf_counter() - began
             log.write(record)
         if progress:
-            progress.set_postfix(loss=f"{train_loss:.3f}", gnorm=f"{grad_norm:.2f}", tok_s=f"{tokens_per_s:.0f}",
-                                 fb_ms=f"{record['fwd_bwd_ms']:.0f}", opt_ms=f"{record['opt_ms']:.1f}")  # fmt: skip
+            progress.set_postfix(
+                loss=f"{train_loss:.3f}",
+                gnorm=f"{grad_norm:.2f}",
+                tok_s=f"{tokens_per_s:.0f}",
+                fb_ms=f"{record['fwd_bwd_ms']:.0f}",
+                opt_ms=f"{record['opt_ms']:.1f}",
+            )
             progress.update(1)
-        if (args.save_every and (step + 1) % args.save_every == 0) or (args.save_final and step + 1 == args.steps):
+        if (args.save_every and (step + 1) % args.save_every == 0) or (
+            args.save_final and step + 1 == args.steps
+        ):
             path = checkpoint.step_dir(start.run_dir, step + 1)
             checkpoint.save(path, model, optimizers, schedulers, step + 1)
             if rank == 0:
@@ -318,18 +382,35 @@ def train(args: argparse.Namespace) -> dict:
     return history
 
 
-def write_summary(args, directory: Path, model, history: dict, fb_times: list, opt_times: list, memory: list,
-                  device: torch.device) -> None:  # fmt: skip
+def write_summary(
+    args,
+    directory: Path,
+    model,
+    history: dict,
+    fb_times: list,
+    opt_times: list,
+    memory: list,
+    device: torch.device,
+) -> None:
     summary = {
-        "name": directory.name, "optimizer": args.optimizer, "preset": args.preset, "world_size": len(memory),
-        "device": device.type, "steps": args.steps, "params": model.num_params(), "lr": args.lr,
+        "name": directory.name,
+        "optimizer": args.optimizer,
+        "preset": args.preset,
+        "world_size": len(memory),
+        "device": device.type,
+        "steps": args.steps,
+        "params": model.num_params(),
+        "lr": args.lr,
         "final_val_loss": history["val"].get(args.steps),
         **step_times([1e3 * t for t in fb_times], [1e3 * t for t in opt_times]),
         "peak_memory_mb": memory,
-    }  # fmt: skip
+    }
     (directory / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"{args.optimizer}: final val loss {summary['final_val_loss']}, median step "
-          f"{summary['median_step_ms']:.1f} ms, optimizer share {summary['optimizer_share']:.1%}", flush=True)  # fmt: skip
+    print(
+        f"{args.optimizer}: final val loss {summary['final_val_loss']}, median step "
+        f"{summary['median_step_ms']:.1f} ms, optimizer share {summary['optimizer_share']:.1%}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

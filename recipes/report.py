@@ -18,7 +18,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-
 from recipes.metrics import step_times
 
 SUMMARY_KEYS = ("lr", "steps", "final_val_loss", "median_step_ms", "optimizer_share", "peak_memory_mb")
@@ -84,9 +83,19 @@ def table(runs: list[dict]) -> str:
     ]
     for r in runs:
         memory = ", ".join(f"{m:.0f}" for m in r["peak_memory_mb"]) or "-"
-        cells = [r["name"], r["optimizer"], f"{r['lr']:g}", r["world_size"], r["steps"],
-                 fmt(r["final_val_loss"], ".4f"), fmt(r["median_step_ms"], ".1f"),
-                 fmt(r["optimizer_share"], ".1%"), memory, r["data"], r["loss_unit"]]  # fmt: skip
+        cells = [
+            r["name"],
+            r["optimizer"],
+            f"{r['lr']:g}",
+            r["world_size"],
+            r["steps"],
+            fmt(r["final_val_loss"], ".4f"),
+            fmt(r["median_step_ms"], ".1f"),
+            fmt(r["optimizer_share"], ".1%"),
+            memory,
+            r["data"],
+            r["loss_unit"],
+        ]
         rows.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows)
 
@@ -97,14 +106,20 @@ def distinct(runs: list[dict], key: str) -> str:
 
 def labels(runs: list[dict]) -> list[str]:
     """'optimizer lr=...', plus the run's path where two runs would share a label."""
-    base = [f"{r['optimizer']} lr={r['lr']:g}" + (f" qk-clip={r['qk_clip']:g}" if r["qk_clip"] else "") for r in runs]
+    base = [
+        f"{r['optimizer']} lr={r['lr']:g}" + (f" qk-clip={r['qk_clip']:g}" if r["qk_clip"] else "")
+        for r in runs
+    ]
     return [f"{b} ({r['name']})" if base.count(b) > 1 else b for b, r in zip(base, runs)]
 
 
 def title(runs: list[dict]) -> str:
-    parts = [f"preset {distinct(runs, 'preset')}", f"{distinct(runs, 'world_size')} ranks",
-             f"data: {distinct(runs, 'data')}",
-             f"{distinct(runs, 'tokens_per_step')} tokens per step"]  # fmt: skip
+    parts = [
+        f"preset {distinct(runs, 'preset')}",
+        f"{distinct(runs, 'world_size')} ranks",
+        f"data: {distinct(runs, 'data')}",
+        f"{distinct(runs, 'tokens_per_step')} tokens per step",
+    ]
     return textwrap.fill("; ".join(parts), 150)
 
 
@@ -137,12 +152,18 @@ def plot(runs: list[dict], path: Path) -> None:
             if r["qk_clip"]:
                 axes[3].axhline(r["qk_clip"], color=f"C{i}", linestyle=":", linewidth=1)
     if logits:
-        axes[3].set(title="largest pre-softmax logit (any layer, head)", xlabel="step", ylabel="q . k / sqrt(d)")
+        axes[3].set(
+            title="largest pre-softmax logit (any layer, head)", xlabel="step", ylabel="q . k / sqrt(d)"
+        )
         axes[3].grid(alpha=0.3)
     step_ax.set(title="train loss (running mean)", xlabel="step", ylabel=ylabel, yscale="log")
     val_ax.set(title="validation loss", xlabel="step", ylabel=ylabel)
-    time_ax.set(title="train loss (running mean) against time", xlabel="training time (min)", ylabel=ylabel,
-                yscale="log")  # fmt: skip
+    time_ax.set(
+        title="train loss (running mean) against time",
+        xlabel="training time (min)",
+        ylabel=ylabel,
+        yscale="log",
+    )
     for ax in (step_ax, val_ax, time_ax):
         ax.grid(alpha=0.3, which="both")
         ax.yaxis.set_major_formatter("{x:g}")
@@ -162,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     root = parser.parse_args(argv).root
     runs = find_runs(root)
     if not runs:
-        print(f"error: no runs (directories with config.json and metrics.jsonl) under {root}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: no runs (directories with config.json and metrics.jsonl) under {root}", file=sys.stderr
+        )
         return 1
     text = table(runs)
     (root / "summary.md").write_text(text + "\n")

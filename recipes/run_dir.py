@@ -36,7 +36,9 @@ class RunStart:
     config: dict  # written to config.json
 
 
-def make_config(args: argparse.Namespace, world_size: int, data: str, byte_level: bool, model: ModelConfig) -> dict:
+def make_config(
+    args: argparse.Namespace, world_size: int, data: str, byte_level: bool, model: ModelConfig
+) -> dict:
     return {
         "run_id": uuid.uuid4().hex[:12],
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -51,15 +53,30 @@ def make_config(args: argparse.Namespace, world_size: int, data: str, byte_level
 
 def _differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     """(differences that make a resume wrong, other changed settings), each 'what: old -> new'."""
-    pairs = [("preset", old["args"]["preset"], new["args"]["preset"]), ("data", old["data"], new["data"]),
-             ("vocabulary", old["model"]["vocab_size"], new["model"]["vocab_size"]),
-             ("optimizer", old["args"]["optimizer"], new["args"]["optimizer"])]  # fmt: skip
+    pairs = [
+        ("preset", old["args"]["preset"], new["args"]["preset"]),
+        ("data", old["data"], new["data"]),
+        ("vocabulary", old["model"]["vocab_size"], new["model"]["vocab_size"]),
+        ("optimizer", old["args"]["optimizer"], new["args"]["optimizer"]),
+    ]
     if old["args"]["preset"] == new["args"]["preset"]:  # else the preset says it all
         pairs += [(k, old["model"].get(k), v) for k, v in new["model"].items() if k != "vocab_size"]
     wrong = [f"{what} {a} -> {b}" for what, a, b in pairs if a != b]
-    ignored = {"resume", "overwrite", "run_dir", "steps", "no_progress", "save_every", "save_final", "keep_last"}
-    changed = [f"--{k.replace('_', '-')} {old['args'].get(k)} -> {v}" for k, v in new["args"].items()
-               if k not in ignored and k in old["args"] and old["args"][k] != v]  # fmt: skip
+    ignored = {
+        "resume",
+        "overwrite",
+        "run_dir",
+        "steps",
+        "no_progress",
+        "save_every",
+        "save_final",
+        "keep_last",
+    }
+    changed = [
+        f"--{k.replace('_', '-')} {old['args'].get(k)} -> {v}"
+        for k, v in new["args"].items()
+        if k not in ignored and k in old["args"] and old["args"][k] != v
+    ]
     if old["world_size"] != new["world_size"]:
         changed.append(f"ranks {old['world_size']} -> {new['world_size']}")
     return wrong, changed
@@ -69,10 +86,14 @@ def _resolve(target: Path) -> Path:
     """The checkpoint ``--resume target`` names: a step directory, or a run directory's newest
     complete one."""
     if not target.is_dir():
-        raise UsageError(f"--resume {target}: {'not a directory' if target.exists() else 'no such directory'}")
+        raise UsageError(
+            f"--resume {target}: {'not a directory' if target.exists() else 'no such directory'}"
+        )
     if checkpoint.is_complete(target):
         if checkpoint.step_of(target) is None:
-            raise UsageError(f"--resume {target}: a checkpoint directory must keep its name step_N (N: its step)")
+            raise UsageError(
+                f"--resume {target}: a checkpoint directory must keep its name step_N (N: its step)"
+            )
         return target
     if target.name.startswith("step_"):
         raise UsageError(f"--resume {target}: incomplete checkpoint (no .metadata: its save did not finish)")
@@ -104,29 +125,47 @@ def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
     used = [name for name in RUN_FILES if (run_dir / name).exists()]
     notes: list[str] = []
     delete: list[Path] = []
-    found = checkpoint.latest(run_dir) if args.resume == "auto" else _resolve(Path(args.resume)) if args.resume else None
+    found = (
+        checkpoint.latest(run_dir)
+        if args.resume == "auto"
+        else _resolve(Path(args.resume))
+        if args.resume
+        else None
+    )
     source_dir = found.parent.parent if found is not None and found.parent.name == "checkpoints" else None
-    continues_run = args.resume == "auto" or (source_dir is not None and source_dir.resolve() == run_dir.resolve())
+    continues_run = args.resume == "auto" or (
+        source_dir is not None and source_dir.resolve() == run_dir.resolve()
+    )
     if source_dir is not None:
-        newer = [p for p in checkpoint.all_steps(source_dir) if checkpoint.step_of(p) > checkpoint.step_of(found)]
+        newer = [
+            p for p in checkpoint.all_steps(source_dir) if checkpoint.step_of(p) > checkpoint.step_of(found)
+        ]
         if continues_run and any(map(checkpoint.is_complete, newer)):
-            raise UsageError(f"--resume {args.resume}: {run_dir} has newer complete checkpoints "
-                             f"({', '.join(p.name for p in newer if checkpoint.is_complete(p))}) that resuming from "
-                             f"{found.name} would abandon; delete them first, or resume into another --run-dir")  # fmt: skip
+            raise UsageError(
+                f"--resume {args.resume}: {run_dir} has newer complete checkpoints "
+                f"({', '.join(p.name for p in newer if checkpoint.is_complete(p))}) that resuming from "
+                f"{found.name} would abandon; delete them first, or resume into another --run-dir"
+            )
         for path in newer:  # incomplete: a save cut short
-            notes.append(f"{'removing' if continues_run else 'skipping'} incomplete checkpoint {path} (no .metadata)")
+            notes.append(
+                f"{'removing' if continues_run else 'skipping'} incomplete checkpoint {path} (no .metadata)"
+            )
         delete += newer if continues_run else []
     elif continues_run:  # --resume auto with no complete checkpoint: a fresh start in this run dir
         if (run_dir / "summary.json").exists():
-            raise UsageError(f"--resume auto: {run_dir} holds a finished run and no complete checkpoint to continue "
-                             "from; start a new --run-dir, or replace it with --overwrite (without --resume)")  # fmt: skip
+            raise UsageError(
+                f"--resume auto: {run_dir} holds a finished run and no complete checkpoint to continue "
+                "from; start a new --run-dir, or replace it with --overwrite (without --resume)"
+            )
         delete += checkpoint.all_steps(run_dir)
         notes += [f"removing incomplete checkpoint {p} (no .metadata)" for p in delete]
         if (run_dir / "metrics.jsonl").exists():
             notes.append(f"no complete checkpoint in {run_dir}: starting it again from step 0")
     if used and not continues_run and not args.overwrite:
-        raise UsageError(f"--run-dir {run_dir} already holds a run ({', '.join(used)}): continue it with "
-                         f"--resume {run_dir}, or pass --overwrite to delete it")  # fmt: skip
+        raise UsageError(
+            f"--run-dir {run_dir} already holds a run ({', '.join(used)}): continue it with "
+            f"--resume {run_dir}, or pass --overwrite to delete it"
+        )
     if args.overwrite and continues_run and found is not None:
         raise UsageError(f"--overwrite would delete the checkpoint --resume names ({found})")
     earlier = None
@@ -140,11 +179,15 @@ def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
         try:
             wrong, changed = _differences(earlier, config)
         except KeyError as key:
-            raise UsageError(f"the config.json of {source_dir or run_dir} lacks {key}: not one this recipe wrote") from None
+            raise UsageError(
+                f"the config.json of {source_dir or run_dir} lacks {key}: not one this recipe wrote"
+            ) from None
         if wrong:
             where = found if found is not None else run_dir
-            raise UsageError(f"--resume {args.resume}: {where} differs from this run in {'; '.join(wrong)} "
-                             "(earlier -> now); start a new --run-dir for other settings")  # fmt: skip
+            raise UsageError(
+                f"--resume {args.resume}: {where} differs from this run in {'; '.join(wrong)} "
+                "(earlier -> now); start a new --run-dir for other settings"
+            )
         if changed:
             notes.append("resuming with changed settings: " + ", ".join(changed))
         if continues_run:

@@ -19,7 +19,6 @@ from typing import NoReturn
 
 import torch
 
-
 from recipes import checkpoint
 from recipes.model import ModelConfig, Transformer
 from recipes.options import HelpFormatter, Parser, UsageError
@@ -32,16 +31,18 @@ def fail(message: str) -> NoReturn:
 def build_parser() -> Parser:
     p = Parser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--run-dir", required=True, help="the run directory (config.json, checkpoints/)")
-    p.add_argument("--checkpoint", default=None,
-                   help="a step directory to load instead of the newest complete one")  # fmt: skip
+    p.add_argument(
+        "--checkpoint", default=None, help="a step directory to load instead of the newest complete one"
+    )
     p.add_argument("--prompt", default=None, help="text to continue (byte-level runs)")
     p.add_argument("--prompt-ids", default=None, help="comma-separated token ids to continue (any run)")
     p.add_argument("--tokens", type=int, default=200, help="new tokens to sample")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy decoding")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: cuda when available")  # fmt: skip
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available"
+    )
     return p
 
 
@@ -72,8 +73,7 @@ def prompt_ids(args: argparse.Namespace, byte_level: bool, config_path: Path, vo
         fail("pass either --prompt or --prompt-ids, not both")
     if args.prompt is not None:
         if not byte_level:
-            fail(f"--prompt: {config_path} is a token-file run (no tokenizer here); "
-                         "pass --prompt-ids")  # fmt: skip
+            fail(f"--prompt: {config_path} is a token-file run (no tokenizer here); pass --prompt-ids")
         ids = list(args.prompt.encode("utf-8"))
     elif args.prompt_ids is not None:
         try:

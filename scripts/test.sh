@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, then run the whole test suite in parallel (CPU + gloo).
+# Set up .venv if needed, lint (ruff check, ruff format --check: the settings in pyproject.toml),
+# then run the whole test suite in parallel (CPU + gloo). Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+.venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
 exec .venv/bin/python -m pytest -n "${DMUON_TEST_WORKERS:-2}" "$@"

@@ -37,7 +37,9 @@ class _Patches:
         raise NotImplementedError
 
     def __enter__(self):
-        self._originals = [(owner, name, getattr(owner, name)) for owner, names in self.targets for name in names]
+        self._originals = [
+            (owner, name, getattr(owner, name)) for owner, names in self.targets for name in names
+        ]
         for owner, name, original in self._originals:
             setattr(owner, name, self.wrap(name, original))
         return self
@@ -80,7 +82,10 @@ class CollectiveCalls(_Patches):
     called (``calls``), every ``all_to_all_single``'s (receive counts, send counts, element
     size) (``all_to_alls``), and the wall time spent inside those calls (``seconds``)."""
 
-    targets = ((dist, (*GATHERS, "all_to_all_single", "all_reduce")), (DTensor, ("full_tensor", "redistribute")))
+    targets = (
+        (dist, (*GATHERS, "all_to_all_single", "all_reduce")),
+        (DTensor, ("full_tensor", "redistribute")),
+    )
 
     def __init__(self) -> None:
         self.calls: collections.Counter = collections.Counter()

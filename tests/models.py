@@ -5,13 +5,13 @@ models for planner tests."""
 from __future__ import annotations
 
 import torch
+from reference import reference_muon_step
+from spawn import cpu_mesh
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import POLAR_EXPRESS, DMuonFSDP
-from reference import reference_muon_step
-from spawn import cpu_mesh
 
 # name -> shape. (5, 256) at W=4 leaves rows 2, 2, 1, 0; the three (64, 64) batch together.
 MUON_A = {"w5": (5, 256), "w1": (1, 128), "w37": (37, 64), "tall": (768, 256), "conv": (6, 3, 3, 3)}
@@ -75,10 +75,18 @@ def reference_run():
             coefficients = opts.get("ns_coefficients", (3.4445, -4.7750, 2.0315))
             for n in names:
                 reference_muon_step(
-                    params[n], grads[n], bufs[n], lr=opts["lr"], momentum=0.95, nesterov=True,
-                    weight_decay=opts["weight_decay"], coefficients=coefficients, steps=5,
-                    eps=1e-7, adjust_lr_fn=opts["adjust_lr_fn"],
-                )  # fmt: skip
+                    params[n],
+                    grads[n],
+                    bufs[n],
+                    lr=opts["lr"],
+                    momentum=0.95,
+                    nesterov=True,
+                    weight_decay=opts["weight_decay"],
+                    coefficients=coefficients,
+                    steps=5,
+                    eps=1e-7,
+                    adjust_lr_fn=opts["adjust_lr_fn"],
+                )
         for n, v in vectors.items():
             v.grad = grads[n].clone()
         adamw.step()
@@ -103,8 +111,6 @@ def sharded_run(rank, world_size, ns_algorithm):
         if name not in VECTORS:
             out["buf:" + name] = opt.state[p]["momentum_buffer"].full_tensor()
     return out
-
-
 
 
 def sharded_model() -> ShapesModel:

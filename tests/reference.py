@@ -21,8 +21,9 @@ def reference_orthogonalize(m: torch.Tensor, coefficients, steps: int, eps: floa
     return x.T if transposed else x
 
 
-def reference_muon_step(param, grad, buf, *, lr, momentum, nesterov, weight_decay, coefficients,
-                        steps, eps, adjust_lr_fn):
+def reference_muon_step(
+    param, grad, buf, *, lr, momentum, nesterov, weight_decay, coefficients, steps, eps, adjust_lr_fn
+):
     """One Muon step on float64 full tensors, in place on ``param`` and ``buf``."""
     buf.mul_(momentum).add_(grad, alpha=1 - momentum)
     update = grad + momentum * (buf - grad) if nesterov else buf

@@ -73,7 +73,9 @@ def run_ranks(
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "dmuon_fsdp"]
 
 
-def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout: float) -> list[Any]:
+def _run_once(
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout: float
+) -> list[Any]:
     multiprocessing.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
@@ -90,7 +92,9 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
                     if process.is_alive():
                         process.kill()
                 raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s")
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+        return [
+            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
+        ]
 
 
 def cpu_mesh():

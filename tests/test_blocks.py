@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import reference_muon_step, relative_error
+from spawn import cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
-from reference import reference_muon_step, relative_error
-from spawn import cpu_mesh, run_ranks
 
 # name -> (shape, group options, row blocks of the (rows, cols) view)
 CASES = {
@@ -25,8 +25,10 @@ STEPS = 3
 def _data():
     gen = torch.Generator().manual_seed(7)
     init = {n: torch.randn(shape, generator=gen, dtype=torch.float64) for n, (shape, _, _) in CASES.items()}
-    grads = [{n: torch.randn(shape, generator=gen, dtype=torch.float64) for n, (shape, _, _) in CASES.items()}
-             for _ in range(STEPS)]  # fmt: skip
+    grads = [
+        {n: torch.randn(shape, generator=gen, dtype=torch.float64) for n, (shape, _, _) in CASES.items()}
+        for _ in range(STEPS)
+    ]
     return init, grads
 
 
@@ -42,9 +44,19 @@ def _reference():
             for start, rows in blocks:
                 block_p = view_p[start : start + rows].clone()
                 block_b = view_b[start : start + rows].clone()
-                reference_muon_step(block_p, view_g[start : start + rows], block_b, lr=0.05, momentum=0.95,
-                                    nesterov=True, weight_decay=0.1, coefficients=(3.4445, -4.7750, 2.0315),
-                                    steps=5, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
+                reference_muon_step(
+                    block_p,
+                    view_g[start : start + rows],
+                    block_b,
+                    lr=0.05,
+                    momentum=0.95,
+                    nesterov=True,
+                    weight_decay=0.1,
+                    coefficients=(3.4445, -4.7750, 2.0315),
+                    steps=5,
+                    eps=1e-7,
+                    adjust_lr_fn=None,
+                )
                 view_p[start : start + rows] = block_p
                 view_b[start : start + rows] = block_b
     return params
@@ -84,7 +96,9 @@ def test_blocks_single_process():
 def sharded_blocks(rank, world_size, ns_algorithm):
     model = Fused()
     fully_shard(model, mesh=cpu_mesh())
-    opt = DMuonFSDP(_groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm=ns_algorithm)
+    opt = DMuonFSDP(
+        _groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm=ns_algorithm
+    )
     _train(model, opt)
     params = {n: model.ws[n].full_tensor() for n in CASES}
     # An optimizer over the expert stack alone: experts sharded on the expert dim stay put.

@@ -8,6 +8,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from models import gradients, make_groups, sharded_model
+from reference import relative_error
+from spawn import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -17,9 +20,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dmuon_fsdp import DMuonFSDP
-from reference import relative_error
-from spawn import run_ranks
-from models import gradients, make_groups, sharded_model
 
 
 def _train(model, opt, steps):
@@ -31,8 +31,13 @@ def _train(model, opt, steps):
 
 def _snapshot(model, opt):
     out = {n: h.weight.full_tensor() for n, h in model.holders.items()}
-    out.update({f"buf:{n}": opt.state[h.weight]["momentum_buffer"].full_tensor()
-                for n, h in model.holders.items() if "momentum_buffer" in opt.state[h.weight]})  # fmt: skip
+    out.update(
+        {
+            f"buf:{n}": opt.state[h.weight]["momentum_buffer"].full_tensor()
+            for n, h in model.holders.items()
+            if "momentum_buffer" in opt.state[h.weight]
+        }
+    )
     return out
 
 
@@ -40,7 +45,10 @@ def save_then_continue(rank, world_size, path):
     model = sharded_model()
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
     _train(model, opt, range(2))
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+        checkpoint_id=path,
+    )
     _train(model, opt, range(2, 4))
     return _snapshot(model, opt)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from instruments import CollectiveCalls, HostReads
+from models import gradients, make_groups, sharded_model
+from spawn import run_ranks
 
 from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp.checks import FLAG_ELEMENTS
 from dmuon_fsdp.stats import PHASES
-from instruments import CollectiveCalls, HostReads
-from models import gradients, make_groups, sharded_model
-from spawn import run_ranks
 
 
 def expected_splits(plan, rank, world, flags):
@@ -48,17 +48,32 @@ def _launched_before_first_ns(prof) -> int | None:
 def counted_step(rank, world_size, overlap, comm_dtype, checks=True):
     model = sharded_model()
     # Buckets of at most 256 KiB split the 12 matrices into several buckets.
-    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, comm_dtype=comm_dtype, bucket_bytes=2**18,
-                    overlap=overlap, time_phases=True, check_grads=checks, nonfinite="raise" if checks else "ignore")
+    opt = DMuonFSDP(
+        make_groups(model),
+        ns_dtype=torch.float32,
+        comm_dtype=comm_dtype,
+        bucket_bytes=2**18,
+        overlap=overlap,
+        time_phases=True,
+        check_grads=checks,
+        nonfinite="raise" if checks else "ignore",
+    )
     grads = {n: g.float() for n, g in gradients(0).items()}
     model(grads).backward()
     steps = []
     for _ in range(2):  # the first step builds the plan, the second is the steady state
         with CollectiveCalls() as calls, HostReads() as reads, torch.profiler.profile() as prof:
             opt.step()
-        steps.append({"a2a": calls.all_to_alls, "all_reduce": calls.calls["all_reduce"], "gathers": calls.gathers,
-                      "ns_matrices": opt.last_step_stats.ns_matrices, "host_reads": reads.count,
-                      "a2a_before_first_ns": _launched_before_first_ns(prof)})  # fmt: skip
+        steps.append(
+            {
+                "a2a": calls.all_to_alls,
+                "all_reduce": calls.calls["all_reduce"],
+                "gathers": calls.gathers,
+                "ns_matrices": opt.last_step_stats.ns_matrices,
+                "host_reads": reads.count,
+                "a2a_before_first_ns": _launched_before_first_ns(prof),
+            }
+        )
     plan, me = opt.plan, opt.exchange_rank
     size = torch.empty((), dtype=comm_dtype).element_size()
     return {
@@ -124,7 +139,10 @@ def released_after_wait(rank, world_size):
         receive = torch.empty_like(send)
 
         def counts():
-            return [(sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)) for t in (send, receive)]
+            return [
+                (sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+                for t in (send, receive)
+            ]
 
         before = counts()
         handle = comm.launch(comm.Exchange(send, receive, [3] * world_size, [3] * world_size, group))

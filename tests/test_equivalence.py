@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from models import SHAPES, VECTORS, initial_params, reference_run, sharded_run
 from reference import relative_error
 from spawn import run_ranks

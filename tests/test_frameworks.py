@@ -17,12 +17,27 @@ HERE = os.path.join(os.path.dirname(__file__), "frameworks")
 def torchrun(script: str, tmp_path) -> dict:
     """Run ``script`` on 2 ranks; its exit status must be 0 (a clean teardown and exit)."""
     out = str(tmp_path / "result.pt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               os.path.join(HERE, script), out]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(HERE, script),
+        out,
+    ]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, (
+        f"{script} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    )
     return torch.load(out, weights_only=False)
 
 
@@ -56,7 +71,9 @@ def test_transformers_trainer_fsdp2_with_route(tmp_path):
     routing = result["routing"]
     assert not routing["model.embed_tokens.weight"] and not routing["lm_head.weight"]
     assert routing["model.layers.0.mlp.up_proj.weight"] and not routing["model.norm.weight"]
-    assert_resumed_exactly((result["losses"], result["snapshot"]), (result["resumed_losses"], result["resumed_snapshot"]))
+    assert_resumed_exactly(
+        (result["losses"], result["snapshot"]), (result["resumed_losses"], result["resumed_snapshot"])
+    )
 
 
 def test_lightning_fabric_and_trainer_model_parallel_strategy(tmp_path):

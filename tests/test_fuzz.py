@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import sharded_run
+from reference import reference_muon_step, relative_error
+from spawn import cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP
-from reference import reference_muon_step, relative_error
-from spawn import cpu_mesh, run_ranks
-from models import sharded_run
 
 
 class Matrices(nn.Module):
@@ -50,16 +50,28 @@ shape = st.tuples(st.integers(1, 9), st.integers(1, 12))
 
 
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(shapes=st.lists(shape, min_size=1, max_size=5), world_size=st.integers(2, 4), seed=st.integers(0, 2**16))
+@given(
+    shapes=st.lists(shape, min_size=1, max_size=5), world_size=st.integers(2, 4), seed=st.integers(0, 2**16)
+)
 def test_random_layouts_match_the_reference(shapes, world_size, seed):
     result = run_ranks(random_layout_run, world_size, shapes, seed)[0]
     init, grads = _case(shapes, seed)
     bufs = [torch.zeros_like(x) for x in init]
     for step_grads in grads:
         for p, g, b in zip(init, step_grads, bufs):
-            reference_muon_step(p, g, b, lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.1,
-                                coefficients=(3.4445, -4.7750, 2.0315), steps=5, eps=1e-7,
-                                adjust_lr_fn=None)  # fmt: skip
+            reference_muon_step(
+                p,
+                g,
+                b,
+                lr=0.05,
+                momentum=0.95,
+                nesterov=True,
+                weight_decay=0.1,
+                coefficients=(3.4445, -4.7750, 2.0315),
+                steps=5,
+                eps=1e-7,
+                adjust_lr_fn=None,
+            )
     for got, want, s in zip(result, init, shapes):
         assert relative_error(got, want) <= 1e-5, f"shape {s} at W={world_size}"
 

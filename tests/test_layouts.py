@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -13,7 +14,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp.layouts import rank_boxes, replica_indices
-from spawn import run_ranks
 
 
 def _error(params, **options):
@@ -71,7 +71,9 @@ def _dtensor_boxes(shape, mesh_shape, placements):
 
     boxes = []
     for coordinate in product(*(range(n) for n in mesh_shape)):
-        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        local, offset = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, list(coordinate), placements
+        )
         boxes.append((tuple(offset), tuple(local)))
     return boxes
 
@@ -104,10 +106,13 @@ def test_rank_boxes_agree_with_dtensor_on_random_layouts():
 
 def sub_meshes_in_any_order(rank, world_size):
     root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
     def weight(mesh):
         return nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)] * mesh.ndim))
 
-    params = [(f"on_{'_'.join(mesh.mesh_dim_names)}", weight(mesh)) for mesh in (root["dp"], root["tp"], root)]
+    params = [
+        (f"on_{'_'.join(mesh.mesh_dim_names)}", weight(mesh)) for mesh in (root["dp"], root["tp"], root)
+    ]
     opt = DMuonFSDP(params)
     try:
         DMuonFSDP(params + [("other", weight(init_device_mesh("cpu", (4,))))])

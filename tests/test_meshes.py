@@ -4,10 +4,12 @@ moves exactly the bytes its plan predicts with no gathers."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
+from instruments import CollectiveCalls
+from reference import reference_muon_step, relative_error
+from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -16,15 +18,20 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
-from instruments import CollectiveCalls
-from reference import reference_muon_step, relative_error
-from spawn import run_ranks
 
 # "auto" runs (5, 16), the conv (6, 27) and (8, 40) in the Gram form and (13, 9), (9, 13) in the
 # standard one, so every layout below runs both forms; the reference is standard Newton-Schulz.
 OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm="auto")
-REFERENCE = dict(lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.1, coefficients=(3.4445, -4.7750, 2.0315),
-                 steps=5, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
+REFERENCE = dict(
+    lr=0.05,
+    momentum=0.95,
+    nesterov=True,
+    weight_decay=0.1,
+    coefficients=(3.4445, -4.7750, 2.0315),
+    steps=5,
+    eps=1e-7,
+    adjust_lr_fn=None,
+)
 STEPS = 3
 TOLERANCE = 1e-5
 # (5, 16) leaves an empty shard at 4 ranks; (13, 9) and (9, 13) split unevenly on both mesh dims.
@@ -41,7 +48,9 @@ class Weights(nn.Module):
     def __init__(self, shapes):
         super().__init__()
         gen = torch.Generator().manual_seed(0)
-        self.ws = nn.ParameterDict({n: nn.Parameter(torch.randn(s, generator=gen) * 0.1) for n, s in shapes.items()})
+        self.ws = nn.ParameterDict(
+            {n: nn.Parameter(torch.randn(s, generator=gen) * 0.1) for n, s in shapes.items()}
+        )
 
     def forward(self, step):
         gen = torch.Generator().manual_seed(100 + step)
@@ -187,7 +196,10 @@ def test_fsdp_tp_2d_mesh_row_and_column_wise(hidden):
     # down); hidden 13: uneven on both mesh dims (7/6 over tp, then 4/3 and 3/3 over dp).
     results = run_ranks(fsdp_tp, 4, hidden)
     placements = results[0][2]
-    assert placements["up.weight"] == ("_StridedShard", "Shard") and placements["down.weight"] == ("Shard", "Shard")
+    assert placements["up.weight"] == ("_StridedShard", "Shard") and placements["down.weight"] == (
+        "Shard",
+        "Shard",
+    )
     assert placements["head.weight"] == ("Shard",)
     _check([r[:2] for r in results], min_owners=3)
 
@@ -198,8 +210,10 @@ def experts(rank, world_size, dim):
     model = Weights({"experts": (3, 8, 12), "w13": (13, 9)})
     mesh = init_device_mesh("cpu", (world_size,))
     fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(dim if p.ndim == 3 else 0))
-    groups = [{"params": [("experts", model.ws["experts"])], "flatten": False},
-              {"params": [("w13", model.ws["w13"])]}]  # fmt: skip
+    groups = [
+        {"params": [("experts", model.ws["experts"])], "flatten": False},
+        {"params": [("w13", model.ws["w13"])]},
+    ]
     return train(model, groups, model, stacked=("ws.experts",))
 
 
@@ -246,10 +260,13 @@ def permuted_meshes(rank, world_size, mesh_ranks, placements):
     return train(model, list(model.named_parameters()), model)
 
 
-@pytest.mark.parametrize("mesh_ranks,placements", [
-    ([[0, 2], [1, 3]], [Replicate(), Shard(0)]),
-    ([[0, 2], [1, 3]], [Shard(1), Shard(0)]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mesh_ranks,placements",
+    [
+        ([[0, 2], [1, 3]], [Replicate(), Shard(0)]),
+        ([[0, 2], [1, 3]], [Shard(1), Shard(0)]),
+    ],
+)
 def test_meshes_whose_coordinates_do_not_follow_rank_order(mesh_ranks, placements):
     _check(run_ranks(permuted_meshes, 4, mesh_ranks, placements), min_owners=2)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from reference import reference_orthogonalize, relative_error
 from torch.utils.flop_counter import FlopCounterMode
 
 from dmuon_fsdp.newton_schulz import (
@@ -21,7 +21,6 @@ from dmuon_fsdp.newton_schulz import (
     segments_flops,
     standard_segments,
 )
-from reference import reference_orthogonalize, relative_error
 
 
 @pytest.mark.parametrize("shape", [(8, 32), (32, 8), (16, 16), (1, 5), (5, 1)])
@@ -141,7 +140,9 @@ def test_restarts_keep_low_rank_matrices_accurate(coefficients, dtype):
     iteration amplifies. With its restarts the Gram form stays as accurate as the standard form
     (within 1.2x of its error against float64); without them it is far worse."""
     gen = torch.Generator().manual_seed(0)
-    m = torch.randn(4, 64, 8, generator=gen, dtype=torch.float64) @ torch.randn(4, 8, 176, generator=gen, dtype=torch.float64)
+    m = torch.randn(4, 64, 8, generator=gen, dtype=torch.float64) @ torch.randn(
+        4, 8, 176, generator=gen, dtype=torch.float64
+    )
     m += 1e-3 * torch.randn(m.shape, generator=gen, dtype=torch.float64)
     triples = resolve_coefficients(coefficients, 5)
     expected = _run(m, triples, standard_segments(5))

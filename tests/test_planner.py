@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import torch
+from models import LLAMA_SHAPES
 
 from dmuon_fsdp.layouts import MatrixLayout, Piece, chunk_row_counts, replicated
 from dmuon_fsdp.newton_schulz import newton_schulz_flops
 from dmuon_fsdp.planner import assign_owners, assignment_lower_bound, build_plan, makespan_lower_bound
-from models import LLAMA_SHAPES
-
 
 
 def plan_for(matrices, world_size, bucket_bytes, element_size):
@@ -76,7 +75,9 @@ def test_plans_identical_across_simulated_ranks():
     outputs = set()
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": tests}
-        out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+        ).stdout
         outputs.add(out.strip())
     assert len(outputs) == 1
     assert json.loads(outputs.pop()) == _plan_signature(16)
@@ -109,8 +110,10 @@ def test_rejects_pieces_that_do_not_tile_the_matrix():
 @pytest.mark.parametrize("replicas,shards", [(2, 2), (3, 2), (2, 3)])
 def test_replicated_matrices_gather_one_copy_and_scatter_to_all(replicas, shards):
     world = replicas * shards
-    matrices = [replicated(MatrixLayout.row_sharded(f"m{i}", 7 + i, 5, chunk_row_counts(7 + i, shards)), replicas)
-                for i in range(2 * world)]
+    matrices = [
+        replicated(MatrixLayout.row_sharded(f"m{i}", 7 + i, 5, chunk_row_counts(7 + i, shards)), replicas)
+        for i in range(2 * world)
+    ]
     plan = plan_for(matrices, world, 2**20, 4)
     assert sorted(set(plan.owners)) == list(range(world)), "owners spread over every replica"
     for j, (m, owner) in enumerate(zip(plan.matrices, plan.owners)):

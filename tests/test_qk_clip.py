@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import reference_muon_step, relative_error
+from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -15,14 +17,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp.qk_clip import AttentionWeights, QKClip
-from reference import reference_muon_step, relative_error
-from spawn import run_ranks
 
 HEADS, KV_HEADS, HEAD_DIM, DIM = 4, 2, 5, 8
 TAU, ALPHA, STEPS = 10.0, 0.5, 3
 OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
-REFERENCE = dict(lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.1, coefficients=(3.4445, -4.7750, 2.0315),
-                 steps=5, eps=1e-7, adjust_lr_fn=None)  # fmt: skip
+REFERENCE = dict(
+    lr=0.05,
+    momentum=0.95,
+    nesterov=True,
+    weight_decay=0.1,
+    coefficients=(3.4445, -4.7750, 2.0315),
+    steps=5,
+    eps=1e-7,
+    adjust_lr_fn=None,
+)
 Q_ROWS, K_ROWS = (0, HEADS * HEAD_DIM), (HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM)
 
 
@@ -42,8 +50,10 @@ class Attention(nn.Module):
 
 
 def layers(model):
-    return [AttentionWeights(model.wq.weight, model.wk.weight, HEADS, KV_HEADS),
-            AttentionWeights(model.qkv.weight, model.qkv.weight, HEADS, KV_HEADS, Q_ROWS, K_ROWS)]  # fmt: skip
+    return [
+        AttentionWeights(model.wq.weight, model.wk.weight, HEADS, KV_HEADS),
+        AttentionWeights(model.qkv.weight, model.qkv.weight, HEADS, KV_HEADS, Q_ROWS, K_ROWS),
+    ]
 
 
 def rank_logits(step, rank, tensor_parallel=False):
@@ -65,8 +75,10 @@ def rank_logits(step, rank, tensor_parallel=False):
 def reference_clip(params, logits):
     """The rule on full float64 matrices; ``logits`` already reduced over the ranks."""
     per_group = HEADS // KV_HEADS
-    targets = [(params["wq.weight"], Q_ROWS[0], params["wk.weight"], 0), (params["qkv.weight"], Q_ROWS[0],
-               params["qkv.weight"], K_ROWS[0])]  # fmt: skip
+    targets = [
+        (params["wq.weight"], Q_ROWS[0], params["wk.weight"], 0),
+        (params["qkv.weight"], Q_ROWS[0], params["qkv.weight"], K_ROWS[0]),
+    ]
     for (wq, q0, wk, k0), row in zip(targets, logits):
         for g in range(KV_HEADS):
             worst = max(row[g * per_group : (g + 1) * per_group]).item()
@@ -131,7 +143,9 @@ def ddp(rank, world_size):
 def fsdp_tp(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = Attention()
-    parallelize_module(model, mesh["tp"], {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "qkv": ColwiseParallel()})
+    parallelize_module(
+        model, mesh["tp"], {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "qkv": ColwiseParallel()}
+    )
     fully_shard(model, mesh=mesh["dp"])
     return train(rank, world_size, model, model, tensor_parallel=True)
 
@@ -167,22 +181,42 @@ def test_rule_single_process_bitwise_for_heads_under_tau():
     assert all(torch.equal(p.detach(), now[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("layer,match", [
-    (dict(q=None, heads=4), "is not a parameter of the optimizer"),
-    (dict(heads=3), "do not split into 3 heads"),
-    (dict(heads=4, kv_heads=3), "do not split into 3 heads"),
-    (dict(heads=2, kv_heads=2), "query heads of 10 rows, key heads of 5"),
-    (dict(q="qkv", heads=4, kv_heads=2), r"needs disjoint q_rows and k_rows \(got None and None\)"),
-    (dict(q="qkv", heads=4, kv_heads=2, q_rows=(0, 20), k_rows=(10, 20)), "needs disjoint q_rows and k_rows"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "layer,match",
+    [
+        (dict(q=None, heads=4), "is not a parameter of the optimizer"),
+        (dict(heads=3), "do not split into 3 heads"),
+        (dict(heads=4, kv_heads=3), "do not split into 3 heads"),
+        (dict(heads=2, kv_heads=2), "query heads of 10 rows, key heads of 5"),
+        (dict(q="qkv", heads=4, kv_heads=2), r"needs disjoint q_rows and k_rows \(got None and None\)"),
+        (
+            dict(q="qkv", heads=4, kv_heads=2, q_rows=(0, 20), k_rows=(10, 20)),
+            "needs disjoint q_rows and k_rows",
+        ),
+    ],
+)
 def test_bad_layers_raise(layer, match):
     model = Attention()
     opt = DMuonFSDP([model.wq.weight, model.wk.weight, model.qkv.weight])
-    q = {"qkv": model.qkv.weight, None: nn.Parameter(torch.zeros(20, 8))}[layer["q"]] if "q" in layer else model.wq.weight
+    q = (
+        {"qkv": model.qkv.weight, None: nn.Parameter(torch.zeros(20, 8))}[layer["q"]]
+        if "q" in layer
+        else model.wq.weight
+    )
     k = model.qkv.weight if layer.get("q") == "qkv" else model.wk.weight
     options = {key: v for key, v in layer.items() if key != "q"}
     with pytest.raises(ValueError, match=match):
         QKClip(opt, [AttentionWeights(q, k, **options)], tau=TAU)
+
+
+def test_errors_name_a_weight_as_the_optimizer_names_it():
+    model = Attention()
+    opt = DMuonFSDP(list(model.named_parameters()))  # QKClip asks opt.param_name
+    with pytest.raises(ValueError, match="the 20 q rows of wq.weight do not split into 3 heads"):
+        QKClip(opt, [AttentionWeights(model.wq.weight, model.wk.weight, heads=3)], tau=TAU)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # any optimizer: the weight's role names it
+    with pytest.raises(ValueError, match=r"the 20 q rows of layers\[0\].q do not split into 3 heads"):
+        QKClip(plain, [AttentionWeights(model.wq.weight, model.wk.weight, heads=3)], tau=TAU)
 
 
 def bad_logits(rank, world_size, kind):
@@ -191,8 +225,12 @@ def bad_logits(rank, world_size, kind):
     clip = QKClip(DMuonFSDP(model.parameters()), layers(model), tau=TAU)
     logits = rank_logits(0, rank)
     if rank == 1:  # only one rank is wrong: every rank must raise, none may wait
-        bad = {"shape": torch.zeros(3), "type": 1.0, "nan": torch.tensor([1.0, float("nan"), 1.0, 1.0]),
-               "inf": torch.tensor([1.0, float("inf"), 1.0, 1.0])}  # fmt: skip
+        bad = {
+            "shape": torch.zeros(3),
+            "type": 1.0,
+            "nan": torch.tensor([1.0, float("nan"), 1.0, 1.0]),
+            "inf": torch.tensor([1.0, float("inf"), 1.0, 1.0]),
+        }
         logits = logits[:1] if kind == "count" else [logits[0], bad[kind]]
     try:
         clip.clip(logits)
@@ -201,13 +239,20 @@ def bad_logits(rank, world_size, kind):
     return None
 
 
-@pytest.mark.parametrize("kind,message", [
-    ("shape", "max_logits must be 2 tensors, max_logits[1] of shape (4,) (one logit per query head), on every rank"),
-    ("type", "max_logits must be 2 tensors, max_logits[1] of shape (4,)"),
-    ("count", "max_logits must be 2 tensors, max_logits[1] of shape (4,)"),
-    ("nan", "max_logits[1] holds NaN or +inf on some rank"),
-    ("inf", "max_logits[1] holds NaN or +inf on some rank"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        (
+            "shape",
+            "max_logits must be 2 tensors, max_logits[1] of shape (4,) (one logit per query head), on every "
+            "rank",
+        ),
+        ("type", "max_logits must be 2 tensors, max_logits[1] of shape (4,)"),
+        ("count", "max_logits must be 2 tensors, max_logits[1] of shape (4,)"),
+        ("nan", "max_logits[1] holds NaN or +inf on some rank"),
+        ("inf", "max_logits[1] holds NaN or +inf on some rank"),
+    ],
+)
 def test_bad_logits_on_one_rank_raise_on_every_rank(kind, message):
     for error in run_ranks(bad_logits, 2, kind):
         assert error is not None and error.startswith(message)
@@ -227,8 +272,11 @@ def test_recipe_model_logits_after_a_clip_are_at_most_tau():
     model(tokens)
     seen = [block.attention.max_logits.clone() for block in model.layers]
     tau = 0.95 * float(seen[0].max())
-    clip = QKClip(opt, [AttentionWeights(b.attention.wq.weight, b.attention.wk.weight, 4, 2) for b in model.layers],
-                  tau=tau)  # fmt: skip
+    clip = QKClip(
+        opt,
+        [AttentionWeights(b.attention.wq.weight, b.attention.wk.weight, 4, 2) for b in model.layers],
+        tau=tau,
+    )
     assert torch.equal(clip.clip(seen), torch.stack(seen))
     for block in model.layers:
         block.attention.max_logits = None

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
+from spawn import run_ranks
 
 from recipes import data
 from recipes.pretrain import parse_args, train
-from spawn import run_ranks
 
 
 def test_stdlib_corpus_splits_by_file_and_caches(tmp_path):
@@ -53,19 +51,42 @@ def test_token_file_and_text_corpora(tmp_path):
     corpus = data.token_file_corpus(tmp_path / "train.bin")
     assert torch.equal(data.token_ids(torch.cat([corpus.train, corpus.val])), tokens.long())
     assert (corpus.train_max, corpus.val_max) == (int(tokens[:950].max()), int(tokens[950:].max()))
-    assert corpus.vocab_size is None and data.token_file_corpus(tmp_path / "train.bin", 60000).vocab_size == 60000
+    assert (
+        corpus.vocab_size is None
+        and data.token_file_corpus(tmp_path / "train.bin", 60000).vocab_size == 60000
+    )
     (tmp_path / "val.bin").write_bytes(bytes(raw[:200]))
-    assert torch.equal(data.token_ids(data.token_file_corpus(tmp_path / "train.bin").val), tokens[:100].long())
+    assert torch.equal(
+        data.token_ids(data.token_file_corpus(tmp_path / "train.bin").val), tokens[:100].long()
+    )
     (tmp_path / "t.txt").write_text("hello world " * 100)
     text = data.text_corpus(tmp_path / "t.txt")
     assert bytes(text.train[:11].tolist()) == b"hello world"
 
 
 def _args(run_dir, cache, *extra):
-    return parse_args([
-        "--preset", "tiny", "--steps", "8", "--batch-size", "8", "--warmup", "2", "--val-every", "4",
-        "--val-batches", "1", "--run-dir", str(run_dir), "--cache-dir", str(cache), "--no-progress", *extra,
-    ])  # fmt: skip
+    return parse_args(
+        [
+            "--preset",
+            "tiny",
+            "--steps",
+            "8",
+            "--batch-size",
+            "8",
+            "--warmup",
+            "2",
+            "--val-every",
+            "4",
+            "--val-batches",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            "--cache-dir",
+            str(cache),
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def run_recipe(rank, world_size, run_dir, cache, extra):
@@ -101,14 +122,18 @@ def check_smoke_run(run_dir: Path, history: dict, optimizer: str, extra: list[st
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
     else:
         assert "mfu" not in logged[0] and not (run_dir / "tensorboard").exists()
-    for r in logged if {"--qk-clip", "--max-logits"} & set(extra) else ():  # each layer's largest logit (2 layers)
+    for r in (
+        logged if {"--qk-clip", "--max-logits"} & set(extra) else ()
+    ):  # each layer's largest logit (2 layers)
         assert len(r["max_logit_per_layer"]) == 2 and r["max_logit"] == max(r["max_logit_per_layer"]) > 0
     return logged
 
 
 def test_smoke_two_ranks_and_the_logged_gradient_norm_is_before_clipping(tmp_path, cache):
-    runs = {"dmuon": ["--tensorboard", "--peak-tflops", "0.5", "--clip", "1e-3", "--qk-clip", "0.03"],
-            "torch-muon": ["--clip", "0", "--max-logits"]}
+    runs = {
+        "dmuon": ["--tensorboard", "--peak-tflops", "0.5", "--clip", "1e-3", "--qk-clip", "0.03"],
+        "torch-muon": ["--clip", "0", "--max-logits"],
+    }
     first_norms = []
     for optimizer, extra in runs.items():
         history = run_ranks(run_recipe, 2, tmp_path / optimizer, cache, ["--optimizer", optimizer, *extra])[0]
@@ -147,7 +172,9 @@ def test_flops_per_token_counts_what_runs(tie):
 
     cfg = preset("tiny", tie_embeddings=tie)
     model = Transformer(cfg)
-    assert matmul_params(cfg) == sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_params(cfg) == sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
     tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(tokens, tokens).backward()
@@ -158,12 +185,17 @@ def _continued_losses(history):
     return [history["losses"][s] for s in range(5, 9)]
 
 
-@pytest.mark.parametrize("optimizer,layout",
-                         [("dmuon", ["--ns-algorithm", "auto"]), ("adamw", []), ("dmuon", ["--replicas", "2"])])
+@pytest.mark.parametrize(
+    "optimizer,layout", [("dmuon", ["--ns-algorithm", "auto"]), ("adamw", []), ("dmuon", ["--replicas", "2"])]
+)
 def test_resume_continues_exactly(tmp_path, cache, optimizer, layout):
-    full = run_ranks(run_recipe, 2, tmp_path / "a", cache, ["--optimizer", optimizer, "--save-every", "4", *layout])[0]
+    full = run_ranks(
+        run_recipe, 2, tmp_path / "a", cache, ["--optimizer", optimizer, "--save-every", "4", *layout]
+    )[0]
     checkpoint = str(tmp_path / "a/checkpoints/step_0000004")
-    resumed = run_ranks(run_recipe, 2, tmp_path / "b", cache, ["--optimizer", optimizer, "--resume", checkpoint, *layout])[0]
+    resumed = run_ranks(
+        run_recipe, 2, tmp_path / "b", cache, ["--optimizer", optimizer, "--resume", checkpoint, *layout]
+    )[0]
     assert sorted(resumed["losses"]) == [5, 6, 7, 8]
     for a, b in zip(_continued_losses(full), _continued_losses(resumed)):
         assert abs(a - b) <= 1e-6 * abs(a), (a, b)
@@ -174,7 +206,9 @@ def test_resume_in_place_skips_a_partial_checkpoint_and_cuts_the_metrics_back(tm
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000006", "step_0000008"]
     run_id = json.loads((tmp_path / "config.json").read_text())["run_id"]
     (tmp_path / "checkpoints/step_0000008/.metadata").unlink()  # as if the last save was cut short
-    again = run_ranks(run_recipe, 2, tmp_path, cache, ["--resume", str(tmp_path), "--save-every", "2", "--keep-last", "2"])[0]
+    again = run_ranks(
+        run_recipe, 2, tmp_path, cache, ["--resume", str(tmp_path), "--save-every", "2", "--keep-last", "2"]
+    )[0]
     assert sorted(again["losses"]) == [7, 8]
     for step in (7, 8):
         assert abs(again["losses"][step] - first["losses"][step]) <= 1e-6 * first["losses"][step]
@@ -190,15 +224,16 @@ def test_resume_in_place_skips_a_partial_checkpoint_and_cuts_the_metrics_back(tm
 
     model = Transformer(preset("tiny"))
     checkpoint.load_model(tmp_path / "checkpoints/step_0000008", model)
-    (x, y), = data.validation_batches(data.stdlib_corpus(cache).val, 32, 8, 1, rank=0, world_size=1)
+    ((x, y),) = data.validation_batches(data.stdlib_corpus(cache).val, 32, 8, 1, rank=0, world_size=1)
     with torch.no_grad():
         assert float(model(x, y)) == pytest.approx(again["val"][8], rel=1e-5)
 
 
 def test_resume_at_a_different_world_size(tmp_path, cache):
     full = run_ranks(run_recipe, 4, tmp_path / "w4", cache, ["--save-every", "4"])[0]
-    resumed = run_ranks(run_recipe, 2, tmp_path / "w2", cache,
-                        ["--resume", str(tmp_path / "w4/checkpoints/step_0000004")])[0]  # fmt: skip
+    resumed = run_ranks(
+        run_recipe, 2, tmp_path / "w2", cache, ["--resume", str(tmp_path / "w4/checkpoints/step_0000004")]
+    )[0]
     # Same global batches and state; only the order of reductions differs between 4 and 2 ranks.
     for a, b in zip(_continued_losses(full), _continued_losses(resumed)):
         assert abs(a - b) <= 1e-5 * abs(a), (a, b)
@@ -206,7 +241,9 @@ def test_resume_at_a_different_world_size(tmp_path, cache):
 
 def test_gradient_accumulation_matches_one_large_batch(tmp_path, cache):
     one = run_ranks(run_recipe, 2, tmp_path / "one", cache, ["--steps", "3", "--optimizer", "adamw"])[0]
-    two = run_ranks(run_recipe, 2, tmp_path / "two", cache, ["--steps", "3", "--optimizer", "adamw", "--grad-accum", "2"])[0]
+    two = run_ranks(
+        run_recipe, 2, tmp_path / "two", cache, ["--steps", "3", "--optimizer", "adamw", "--grad-accum", "2"]
+    )[0]
     for step in (1, 2, 3):
         assert abs(one["losses"][step] - two["losses"][step]) <= 1e-5 * one["losses"][step]
 

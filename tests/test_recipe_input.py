@@ -14,18 +14,21 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from recipes.model import PRESETS
 from recipes.pretrain import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = ["--preset", "tiny", "--batch-size", "4", "--val-every", "2", "--val-batches", "1", "--no-progress"]
 
 
 def tree_digest(root: Path) -> dict[str, str]:
     """Every file under root with its content hash (empty when root is missing)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +37,23 @@ def workspace(tmp_path_factory):
     checkpoint at step 2 and one whose save did not finish at step 4, plus token files."""
     root = tmp_path_factory.mktemp("recipe-input")
     cache = root / "cache"
-    command = [sys.executable, "-m", "recipes.pretrain", *TINY, "--steps", "4", "--save-every", "2",
-               "--run-dir", str(root / "used"), "--cache-dir", str(cache)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "recipes.pretrain",
+        *TINY,
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--run-dir",
+        str(root / "used"),
+        "--cache-dir",
+        str(cache),
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr
     config = json.loads((root / "used/config.json").read_text())
     assert config["world_size"] == 1 and config["args"]["preset"] == "tiny"
@@ -66,51 +83,98 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
     return {
         "missing --data": (["--data", f"{root}/none.bin"], {}, f"--data {root}/none.bin: no such file"),
         "missing --text": (["--text", f"{root}/none.txt"], {}, f"--text {root}/none.txt: no such file"),
-        "unknown preset": (["--preset", "huge"], {}, f"argument --preset: invalid choice: 'huge' (choose from {presets})"),
-        "batch vs ranks x accumulation": (["--batch-size", "6", "--grad-accum", "2"], {"WORLD_SIZE": "2"},
-                                          "--batch-size 6 must be divisible by ranks x --grad-accum (2 x 2 = 4)"),
-        "replicas": (["--replicas", "3"], {"WORLD_SIZE": "2"}, "--replicas 3 does not divide the world size 2"),
-        "--steps 0 in a used run dir": (["--steps", "0", "--run-dir", str(used)], {}, "--steps must be at least 1 (got 0)"),
+        "unknown preset": (
+            ["--preset", "huge"],
+            {},
+            f"argument --preset: invalid choice: 'huge' (choose from {presets})",
+        ),
+        "batch vs ranks x accumulation": (
+            ["--batch-size", "6", "--grad-accum", "2"],
+            {"WORLD_SIZE": "2"},
+            "--batch-size 6 must be divisible by ranks x --grad-accum (2 x 2 = 4)",
+        ),
+        "replicas": (
+            ["--replicas", "3"],
+            {"WORLD_SIZE": "2"},
+            "--replicas 3 does not divide the world size 2",
+        ),
+        "--steps 0 in a used run dir": (
+            ["--steps", "0", "--run-dir", str(used)],
+            {},
+            "--steps must be at least 1 (got 0)",
+        ),
         "negative lr": (["--lr", "-0.01"], {}, "--lr must be positive (got -0.01)"),
         "negative AdamW lr": (["--adamw-lr", "-0.001"], {}, "--adamw-lr must be positive (got -0.001)"),
         "QK-clip threshold": (["--qk-clip", "0"], {}, "--qk-clip must be positive (got 0)"),
-        "QK-clip alpha": (["--qk-clip", "10", "--qk-clip-alpha", "1.5"], {},
-                          "--qk-clip-alpha must be between 0 and 1 (got 1.5)"),
-        "NS form for AdamW": (["--optimizer", "adamw", "--ns-algorithm", "gram"], {},
-                              "--ns-algorithm applies to --optimizer dmuon only (got --optimizer adamw)"),
+        "QK-clip alpha": (
+            ["--qk-clip", "10", "--qk-clip-alpha", "1.5"],
+            {},
+            "--qk-clip-alpha must be between 0 and 1 (got 1.5)",
+        ),
+        "NS form for AdamW": (
+            ["--optimizer", "adamw", "--ns-algorithm", "gram"],
+            {},
+            "--ns-algorithm applies to --optimizer dmuon only (got --optimizer adamw)",
+        ),
         "token beyond the vocabulary, training": (
-            ["--data", f"{root}/high.bin"], {},
-            f"training data {root}/high.bin (first 95%): token id 300 is outside the vocabulary of 256 (preset "
-            "tiny); pass --vocab-size 301 or more"),
+            ["--data", f"{root}/high.bin"],
+            {},
+            f"training data {root}/high.bin (first 95%): token id 300 is outside the vocabulary of 256 "
+            "(preset "
+            "tiny); pass --vocab-size 301 or more",
+        ),
         "token beyond the vocabulary, validation": (
-            ["--data", f"{root}/val/train.bin"], {},
-            f"validation data {root}/val/val.bin: token id 999 is outside the vocabulary of 256 (preset tiny); "
-            "pass --vocab-size 1000 or more"),
+            ["--data", f"{root}/val/train.bin"],
+            {},
+            f"validation data {root}/val/val.bin: token id 999 is outside the vocabulary of 256 (preset "
+            "tiny); "
+            "pass --vocab-size 1000 or more",
+        ),
         "validation data shorter than its windows": (
-            ["--text", f"{root}/short.txt", "--val-batches", "2"], {},
-            f"validation data {root}/short.txt (last 5%): 35 tokens are too few for 8 windows of 33 (--val-batches 2); "
-            "it needs 40: lower --val-batches or --batch-size"),
+            ["--text", f"{root}/short.txt", "--val-batches", "2"],
+            {},
+            f"validation data {root}/short.txt (last 5%): 35 tokens are too few for 8 windows of 33 "
+            "(--val-batches 2); "
+            "it needs 40: lower --val-batches or --batch-size",
+        ),
         "resume auto of a finished run with no checkpoint": (
-            ["--resume", "auto", "--run-dir", f"{root}/finished"], {},
-            f"--resume auto: {root}/finished holds a finished run and no complete checkpoint to continue from; start "
-            "a new --run-dir, or replace it with --overwrite (without --resume)"),
-        "resume a missing directory": (["--resume", f"{root}/gone"], {}, f"--resume {root}/gone: no such directory"),
+            ["--resume", "auto", "--run-dir", f"{root}/finished"],
+            {},
+            f"--resume auto: {root}/finished holds a finished run and no complete checkpoint to continue "
+            "from; start "
+            "a new --run-dir, or replace it with --overwrite (without --resume)",
+        ),
+        "resume a missing directory": (
+            ["--resume", f"{root}/gone"],
+            {},
+            f"--resume {root}/gone: no such directory",
+        ),
         "resume with no complete checkpoint": (
-            ["--resume", f"{root}/partial"], {},
+            ["--resume", f"{root}/partial"],
+            {},
             f"--resume {root}/partial: no complete checkpoint under {root}/partial/checkpoints "
-            "(only incomplete ones: step_0000004)"),
+            "(only incomplete ones: step_0000004)",
+        ),
         "resume an incomplete step": (
-            ["--resume", f"{used}/checkpoints/step_0000004"], {},
-            f"--resume {used}/checkpoints/step_0000004: incomplete checkpoint (no .metadata: its save did not finish)"),
+            ["--resume", f"{used}/checkpoints/step_0000004"],
+            {},
+            f"--resume {used}/checkpoints/step_0000004: incomplete checkpoint (no .metadata: its save did "
+            "not finish)",
+        ),
         "resume another preset's run": (
-            ["--resume", str(used), "--run-dir", str(used), "--preset", "cpu-demo", "--steps", "6"], {},
-            f"--resume {used}: {used}/checkpoints/step_0000002 differs from this run in preset tiny -> cpu-demo "
-            "(earlier -> now); start a new --run-dir for other settings"),
+            ["--resume", str(used), "--run-dir", str(used), "--preset", "cpu-demo", "--steps", "6"],
+            {},
+            f"--resume {used}: {used}/checkpoints/step_0000002 differs from this run in preset tiny -> "
+            "cpu-demo "
+            "(earlier -> now); start a new --run-dir for other settings",
+        ),
         "new run into a used run dir": (
-            ["--run-dir", str(used)], {},
+            ["--run-dir", str(used)],
+            {},
             f"--run-dir {used} already holds a run (config.json, metrics.jsonl, summary.json, checkpoints): "
-            f"continue it with --resume {used}, or pass --overwrite to delete it"),
-    }  # fmt: skip
+            f"continue it with --resume {used}, or pass --overwrite to delete it",
+        ),
+    }
 
 
 CASE_NAMES = list(cases(Path("/x")))
@@ -131,10 +195,26 @@ def test_bad_input_is_one_line_and_changes_nothing(workspace, name, monkeypatch,
 
 
 def test_under_torchrun_every_rank_exits_2_and_the_error_is_printed_once(workspace):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "recipes.pretrain", *TINY, "--batch-size", "3", "--cache-dir", str(workspace / "cache"),
-               "--run-dir", str(workspace / "torchrun")]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "recipes.pretrain",
+        *TINY,
+        "--batch-size",
+        "3",
+        "--cache-dir",
+        str(workspace / "cache"),
+        "--run-dir",
+        str(workspace / "torchrun"),
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode != 0
     output = done.stdout + done.stderr
     message = "error: --batch-size 3 must be divisible by ranks x --grad-accum (2 x 1 = 2)"
@@ -148,7 +228,17 @@ def test_a_corrupt_checkpoint_is_named_and_the_run_dir_left_as_it_was(workspace,
     shard = run / "checkpoints/step_0000002/__0_0.distcp"
     shard.write_bytes(b"not a checkpoint" + shard.read_bytes()[16:])
     before = tree_digest(run)
-    argv = [*TINY, "--cache-dir", str(workspace / "cache"), "--steps", "6", "--run-dir", str(run), "--resume", str(run)]
+    argv = [
+        *TINY,
+        "--cache-dir",
+        str(workspace / "cache"),
+        "--steps",
+        "6",
+        "--run-dir",
+        str(run),
+        "--resume",
+        str(run),
+    ]
     assert main(argv) == 1
     out, err = capsys.readouterr()
     prefix = f"error: checkpoint {run}/checkpoints/step_0000002 could not be loaded: "
@@ -160,8 +250,21 @@ def test_a_resumed_run_takes_this_runs_lr_and_schedule(workspace, capsys):
     # The checkpoint restores the optimizer's and scheduler's hyperparameters; the flags of the
     # resumed run must win (its note says they changed), from its first step on.
     run = workspace / "relearn"
-    common = [*TINY, "--cache-dir", str(workspace / "cache"), "--run-dir", str(run), "--warmup", "0",
-              "--decay", "linear", "--min-lr-ratio", "0", "--save-every", "2"]  # fmt: skip
+    common = [
+        *TINY,
+        "--cache-dir",
+        str(workspace / "cache"),
+        "--run-dir",
+        str(run),
+        "--warmup",
+        "0",
+        "--decay",
+        "linear",
+        "--min-lr-ratio",
+        "0",
+        "--save-every",
+        "2",
+    ]
     assert main([*common, "--steps", "4", "--lr", "0.01"]) == 0
     assert main([*common, "--steps", "6", "--resume", str(run), "--lr", "0.05"]) == 0
     assert "resuming with changed settings: --lr 0.01 -> 0.05" in capsys.readouterr().out

@@ -7,14 +7,14 @@ import time
 
 import pytest
 import torch
+from models import gradients, make_groups, sharded_model
+from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dmuon_fsdp import DMuonFSDP, GradientMismatchError, NonFiniteGradientError
-from models import gradients, make_groups, sharded_model
-from spawn import run_ranks
 
 
 def _backward(model, step=0):
@@ -60,9 +60,9 @@ def grad_scenarios(rank, world_size, comm_dtype):
     opt.nonfinite = "skip"
     out["nan_skip"] = _outcome(opt.step)
     out["skipped"] = opt.last_step_stats.skipped
-    out["skip_changed_nothing"] = all(torch.equal(h.weight.full_tensor(), params_before[n])
-                                      for n, h in model.holders.items()) and torch.equal(
-        opt.state[model.holders["sq0"].weight]["momentum_buffer"].full_tensor(), state_before)  # fmt: skip
+    out["skip_changed_nothing"] = all(
+        torch.equal(h.weight.full_tensor(), params_before[n]) for n, h in model.holders.items()
+    ) and torch.equal(opt.state[model.holders["sq0"].weight]["momentum_buffer"].full_tensor(), state_before)
     opt.nonfinite = "ignore"
     out["nan_ignore"] = _outcome(opt.step)
     out["nan_spread"] = bool(model.holders["wide"].weight.full_tensor().isnan().any())
@@ -196,7 +196,9 @@ def test_a_rejected_group_leaves_the_optimizer_unchanged():
     opt = DMuonFSDP([("w", w)])
     before = (len(opt.param_groups), len(opt.state))
     with pytest.raises(ValueError, match="betas"):
-        opt.add_param_group({"params": [("w2", nn.Parameter(torch.randn(3, 3))), ("b", b)], "adamw_betas": (0.9, 2.0)})
+        opt.add_param_group(
+            {"params": [("w2", nn.Parameter(torch.randn(3, 3))), ("b", b)], "adamw_betas": (0.9, 2.0)}
+        )
     assert (len(opt.param_groups), len(opt.state)) == before
     opt.add_param_group({"params": [("b", b)]})  # the same parameter is accepted afterwards
     assert len(opt.param_groups) == 2

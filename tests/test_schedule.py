@@ -6,12 +6,11 @@ import random
 
 import pytest
 
+from dmuon_fsdp.checks import FLAG_ELEMENTS
 from dmuon_fsdp.layouts import EMPTY, MatrixLayout, Piece, chunk_row_counts, replicated
 from dmuon_fsdp.newton_schulz import newton_schulz_flops
 from dmuon_fsdp.planner import build_plan
-from dmuon_fsdp.checks import FLAG_ELEMENTS
 from dmuon_fsdp.schedule import check, rank_schedule
-
 
 
 def plan_for(matrices, world_size, bucket_bytes, element_size):
@@ -24,7 +23,9 @@ def costs(matrices):
 
 
 def row_sharded(shapes, world):
-    return [MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)]
+    return [
+        MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)
+    ]
 
 
 def column_blocks(rows, cols, world):
@@ -45,7 +46,10 @@ def layouts_for(kind, world, rng):
     if kind == "hsdp":
         shards = world // 2
         return [replicated(m, 2) for m in row_sharded(shapes, shards)]
-    full = [MatrixLayout(f"d{i}", r, c, (Piece(0, r, 0, c),) * world, tuple(range(world))) for i, (r, c) in enumerate(shapes)]
+    full = [
+        MatrixLayout(f"d{i}", r, c, (Piece(0, r, 0, c),) * world, tuple(range(world)))
+        for i, (r, c) in enumerate(shapes)
+    ]
     return full  # DDP: every rank holds every matrix
 
 
@@ -88,8 +92,9 @@ def test_every_segment_matches_the_peer_that_reads_it(kind, world):
 def test_ddp_sends_nothing_forward_and_a_flags_only_first_exchange():
     world = 3
     full = Piece(0, 6, 0, 4)
-    plan = plan_for([MatrixLayout(f"m{i}", 6, 4, (full,) * world, tuple(range(world))) for i in range(3)],
-                      world, 2**20, 4)  # fmt: skip
+    plan = plan_for(
+        [MatrixLayout(f"m{i}", 6, 4, (full,) * world, tuple(range(world))) for i in range(3)], world, 2**20, 4
+    )
     for r in range(world):
         (bucket,) = rank_schedule(plan, r, range(world), FLAG_ELEMENTS).buckets
         assert bucket.to_owners.send_counts == [FLAG_ELEMENTS] * world, "only the check flags travel forward"

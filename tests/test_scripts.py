@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from reference import relative_error
 
 from dmuon_fsdp.newton_schulz import newton_schulz, ns_segments, resolve_coefficients, segments_flops
-from reference import relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,11 +26,31 @@ def _run(module, *args):
 
 def test_bench_optimizer_reports_every_contender_and_plan_bytes(tmp_path):
     out = tmp_path / "optimizer.json"
-    _run("bench_optimizer", "--world-size", "2", "--preset", "tiny", "--steps", "1", "--warmup", "0",
-         "--slow-steps", "1", "--out", out)  # fmt: skip
+    _run(
+        "bench_optimizer",
+        "--world-size",
+        "2",
+        "--preset",
+        "tiny",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--slow-steps",
+        "1",
+        "--out",
+        out,
+    )
     result = json.loads(out.read_text())
-    assert set(result["contenders"]) == {"adamw", "adamw-fused", "torch-muon", "gather-muon", "dmuon", "dmuon-no-overlap",
-                                         "dmuon-qk-clip"}  # fmt: skip
+    assert set(result["contenders"]) == {
+        "adamw",
+        "adamw-fused",
+        "torch-muon",
+        "gather-muon",
+        "dmuon",
+        "dmuon-no-overlap",
+        "dmuon-qk-clip",
+    }
     for rank in result["dmuon_breakdown"]["ranks"]:
         assert rank["bytes_sent"] == rank["bytes_received"] == rank["bytes_bound"] > 0
         assert rank["floor_s"] > 0 and rank["seconds"]["newton_schulz"] > 0
@@ -51,7 +71,19 @@ def test_simulate_scale_predicts_dmuon_below_gather_all(tmp_path):
 
 def test_hsdp_deduplication_moves_less_than_repeating_ns_per_replica(tmp_path):
     out = tmp_path / "hsdp.json"
-    _run("simulate_scale", "--report", "hsdp", "--models", "gpt2-124m", "--meshes", "2x4", "4x2", "3x8", "--out", out)
+    _run(
+        "simulate_scale",
+        "--report",
+        "hsdp",
+        "--models",
+        "gpt2-124m",
+        "--meshes",
+        "2x4",
+        "4x2",
+        "3x8",
+        "--out",
+        out,
+    )
     result = json.loads(out.read_text())["results"]["gpt2-124m"]
     total = result["elements"] * 2 / 2**20  # all matrices, bf16, MiB
     # Job totals: per-replica minus ours = N (R - 1)(S - 2) / S elements, N = all matrices' size.
@@ -61,12 +93,25 @@ def test_hsdp_deduplication_moves_less_than_repeating_ns_per_replica(tmp_path):
         saved = total * (replicas - 1) * (shards - 2) / shards / (replicas * shards)
         assert abs((repeated["mean_mib"] - ours["mean_mib"]) - saved) < 1e-6 * total, mesh
         assert abs(ours["mean_mib"] - two_step["mean_mib"]) < 1e-9, "the same total bytes as a2a + all-gather"
-        assert ours["ns_gflop"] <= repeated["ns_gflop"] / replicas * 1.1, "NS spread over every replica's ranks"
+        assert ours["ns_gflop"] <= repeated["ns_gflop"] / replicas * 1.1, (
+            "NS spread over every replica's ranks"
+        )
 
 
 def test_simulate_scale_balance_is_near_the_lower_bound(tmp_path):
     out = tmp_path / "balance.json"
-    _run("simulate_scale", "--report", "balance", "--models", "gpt2-124m", "--world-sizes", "8", "16", "--out", out)
+    _run(
+        "simulate_scale",
+        "--report",
+        "balance",
+        "--models",
+        "gpt2-124m",
+        "--world-sizes",
+        "8",
+        "16",
+        "--out",
+        out,
+    )
     rows = json.loads(out.read_text())["results"]["gpt2-124m"]
     assert [r["world"] for r in rows] == [8, 16]
     assert all(1 - 1e-9 <= r["over_bound"] <= 1.05 and r["over_mean"] >= 1 - 1e-9 for r in rows)
@@ -94,8 +139,20 @@ def test_bench_ns_forms_times_both_forms_per_shape_and_the_step(tmp_path):
             assert r["seconds"][form] > 0
         assert r["auto"] == (r["flops"]["gram"] < r["flops"]["standard"])
     step = tmp_path / "step.json"
-    _run("bench_ns_forms", "--step", "--preset", "tiny", "--world-size", "2", "--steps", "1",
-         "--warmup", "0", "--out", step)  # fmt: skip
+    _run(
+        "bench_ns_forms",
+        "--step",
+        "--preset",
+        "tiny",
+        "--world-size",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        step,
+    )
     result = json.loads(step.read_text())
     assert result["auto"]["busiest_ns_flops"] < result["standard"]["busiest_ns_flops"]
 
@@ -110,7 +167,10 @@ def test_ns_accuracy_reads_a_checkpoints_momentum(tmp_path):
     out = tmp_path / "accuracy.json"
     _run("ns_accuracy", tmp_path / "step_0000001", "--dtypes", "float32", "--out", out)
     rows = json.loads(out.read_text())["table"]
-    assert [(r["coefficients"], r["shape"]) for r in rows] == [("muon", [24, 40]), ("polar_express", [24, 40])]
+    assert [(r["coefficients"], r["shape"]) for r in rows] == [
+        ("muon", [24, 40]),
+        ("polar_express", [24, 40]),
+    ]
     for r in rows:  # the errors newton_schulz gives, in each form, against float64
         coefficients = resolve_coefficients(r["coefficients"], 5)
         expected = newton_schulz(low_rank.double(), coefficients, 1e-7, torch.float64)
@@ -121,7 +181,11 @@ def test_ns_accuracy_reads_a_checkpoints_momentum(tmp_path):
     _run("ns_accuracy", tmp_path / "step_0000001", "--search", "3", "--dtypes", "float32", "--out", out)
     search = json.loads(out.read_text())["search"]
     assert sorted(tuple(r["segments"]) for r in search if r["coefficients"] == "muon") == sorted(
-        [(3,), (1, 2), (2, 1), (1, 1, 1)])
+        [(3,), (1, 2), (2, 1), (1, 1, 1)]
+    )
     command = [sys.executable, "-m", "benchmarks.ns_accuracy", str(tmp_path)]
     failed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    assert failed.returncode != 0 and f"error: {tmp_path} is not a complete checkpoint (no .metadata)" in failed.stderr
+    assert (
+        failed.returncode != 0
+        and f"error: {tmp_path} is not a complete checkpoint (no .metadata)" in failed.stderr
+    )

@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
+from spawn import cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from dmuon_fsdp import DMuonFSDP, param_groups
-from spawn import cpu_mesh, run_ranks
 
 
 def _model() -> nn.Module:
@@ -79,14 +79,23 @@ def swapped_versus_built_after(rank, world_size, steps_before):
     if steps_before:
         ref_opt.load_state_dict(copy.deepcopy(state))  # torch would share the tensors
     steps = range(steps_before, steps_before + 3)
-    return before, moved, placed, _train(model, opt, steps), _train(reference, ref_opt, steps), \
-        _snapshot(model, opt), _snapshot(reference, ref_opt)
+    return (
+        before,
+        moved,
+        placed,
+        _train(model, opt, steps),
+        _train(reference, ref_opt, steps),
+        _snapshot(model, opt),
+        _snapshot(reference, ref_opt),
+    )
 
 
 def _placed_like_params(model, opt) -> bool:
     return all(
         type(v) is type(p) and (not isinstance(p, DTensor) or v.placements == p.placements)
-        for p in model.parameters() for k, v in opt.state[p].items() if k != "step"
+        for p in model.parameters()
+        for k, v in opt.state[p].items()
+        if k != "step"
     )
 
 
@@ -124,9 +133,13 @@ def resharded_state_moves_exactly(rank, world_size):
             p.grad = distribute_tensor(p.detach().full_tensor().cos(), mesh, [Replicate()])
         opt.step()
     before = [{k: _full(v).clone() for k, v in opt.state[p].items()} for p in replicated]
-    sharded = [nn.Parameter(distribute_tensor(p.detach().full_tensor(), mesh, [Shard(0)])) for p in replicated]
+    sharded = [
+        nn.Parameter(distribute_tensor(p.detach().full_tensor(), mesh, [Shard(0)])) for p in replicated
+    ]
     for group in opt.param_groups:
-        group["params"] = [sharded[next(i for i, r in enumerate(replicated) if r is p)] for p in group["params"]]
+        group["params"] = [
+            sharded[next(i for i, r in enumerate(replicated) if r is p)] for p in group["params"]
+        ]
     opt.state_dict()
     placements = [[v.placements for k, v in opt.state[p].items() if k != "step"] for p in sharded]
     after = [{k: _full(v).clone() for k, v in opt.state[p].items()} for p in sharded]
@@ -155,14 +168,26 @@ def _step(params, opt):
 @pytest.mark.parametrize(
     "replace, match",
     [
-        (lambda groups: groups[0]["params"].append(nn.Parameter(torch.randn(2, 2))),
-         r"now hold \[2, 1\] parameters per group, the optimizer was given \[1, 1\]"),
-        (lambda groups: groups[0].__setitem__("params", [nn.Parameter(torch.randn(6, 4))]),
-         r"w was replaced in param_groups by a tensor of shape \(6, 4\)"),
-        (lambda groups: groups[1].__setitem__("params", [groups[0]["params"][0]]), "appears there twice|shape"),
-        (lambda groups: groups[0].__setitem__("params", [torch.randn(4, 6, dtype=torch.bfloat16)]),
-         r"w was replaced by a torch.bfloat16 tensor but its state is torch.float32"),
-        (lambda groups: groups[0].__setitem__("params", [torch.empty(4, 6, device="meta")]), "w: .*meta device"),
+        (
+            lambda groups: groups[0]["params"].append(nn.Parameter(torch.randn(2, 2))),
+            r"now hold \[2, 1\] parameters per group, the optimizer was given \[1, 1\]",
+        ),
+        (
+            lambda groups: groups[0].__setitem__("params", [nn.Parameter(torch.randn(6, 4))]),
+            r"w was replaced in param_groups by a tensor of shape \(6, 4\)",
+        ),
+        (
+            lambda groups: groups[1].__setitem__("params", [groups[0]["params"][0]]),
+            "appears there twice|shape",
+        ),
+        (
+            lambda groups: groups[0].__setitem__("params", [torch.randn(4, 6, dtype=torch.bfloat16)]),
+            r"w was replaced by a torch.bfloat16 tensor but its state is torch.float32",
+        ),
+        (
+            lambda groups: groups[0].__setitem__("params", [torch.empty(4, 6, device="meta")]),
+            "w: .*meta device",
+        ),
     ],
 )
 def test_a_replacement_that_cannot_be_followed_exactly_names_the_parameter(replace, match):

@@ -4,21 +4,24 @@ fresh model and optimizer. Run under torchrun; rank 0 writes the results to argv
 
 from __future__ import annotations
 
+import common
 import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from common import finish, out_path, snapshot, tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import common
-from common import finish, out_path, snapshot, tiny_llama
 from dmuon_fsdp import DMuonFSDP, param_groups
 
 
 def accelerator() -> Accelerator:
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])  # fmt: skip
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+    )
     acc = Accelerator(fsdp_plugin=plugin, cpu=True)
     if acc.distributed_type == DistributedType.MULTI_CPU:  # CPU only: Accelerate keeps FSDP for accelerators
         acc.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP

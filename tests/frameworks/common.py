@@ -13,8 +13,15 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -41,7 +48,8 @@ def out_path() -> str:
 
 
 def train(model, opt, steps, rank: int, backward) -> list[float]:
-    """Causal-LM steps on ``batch(step, rank)``; ``backward`` is the framework's (``accelerator.backward``)."""
+    """Causal-LM steps on ``batch(step, rank)``; ``backward`` is the framework's
+    (``accelerator.backward``)."""
     losses = []
     for step in steps:
         ids = batch(step, rank)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from common import batch, finish, out_path, snapshot, tiny_llama, train
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
-from common import batch, finish, out_path, snapshot, tiny_llama, train
 from dmuon_fsdp import DMuonFSDP, param_groups
 
 
@@ -57,10 +57,20 @@ def trainer_run(checkpoint_dir: str, seed: int, resume_from: str | None):
     module = LitLlama(seed)
     # One batch per epoch, a checkpoint at each epoch's end: Lightning resumes a plain DataLoader
     # from its first batch (here the same one), whatever it counts as the batch index.
-    every = L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1, save_on_train_epoch_end=True)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                        max_steps=4, callbacks=[every], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False)  # fmt: skip
+    every = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=checkpoint_dir, save_top_k=-1, save_on_train_epoch_end=True
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=4,
+        callbacks=[every],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     data = DataLoader(list(batch(0, rank)), batch_size=4)
     trainer.fit(module, data, ckpt_path=resume_from)
@@ -68,12 +78,21 @@ def trainer_run(checkpoint_dir: str, seed: int, resume_from: str | None):
 
 
 def main():
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricModelParallel(
-        parallelize_fn=lambda model, mesh: shard(model, mesh["data_parallel"]), data_parallel_size=2, tensor_parallel_size=1))  # fmt: skip
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=2,
+        strategy=FabricModelParallel(
+            parallelize_fn=lambda model, mesh: shard(model, mesh["data_parallel"]),
+            data_parallel_size=2,
+            tensor_parallel_size=1,
+        ),
+    )
     fabric.launch()
     path = out_path()
-    result = {"fabric": fabric_run(fabric, f"{path}.fabric", 0, False),
-              "fabric-resumed": fabric_run(fabric, f"{path}.fabric", 1, True)}  # fmt: skip
+    result = {
+        "fabric": fabric_run(fabric, f"{path}.fabric", 0, False),
+        "fabric-resumed": fabric_run(fabric, f"{path}.fabric", 1, True),
+    }
     result["trainer"] = trainer_run(f"{path}.trainer", 0, None)
     result["trainer-resumed"] = trainer_run(f"{path}.trainer2", 1, f"{path}.trainer/epoch=1-step=2.ckpt")
     finish(result, path)

@@ -49,14 +49,14 @@ STRUCTURAL = (
 FLAG_ELEMENTS = 10  # check elements per peer in the first exchange
 INVALID_SLOT, NONFINITE_SLOT = 0, 1  # then the digest's four bytes, then their negations
 
-HAS_GRAD, NONFINITE, SPARSE, MISSHAPEN, RELAYOUT = 1, 2, 4, 8, 16
+HAS_GRAD, NONFINITE, SPARSE, MISSHAPEN, STALE_LAYOUT = 1, 2, 4, 8, 16
 INVALID = {
     SPARSE: ": sparse gradients are not supported",
     MISSHAPEN: ": its gradient shard does not match the parameter shard",
-    RELAYOUT: " changed layout after the optimizer was built: its optimizer state no longer matches "
+    STALE_LAYOUT: " changed layout after the optimizer was built: its optimizer state no longer matches "
     "the parameter's local shard",
 }
-INVALID_BITS = SPARSE | MISSHAPEN | RELAYOUT
+INVALID_BITS = SPARSE | MISSHAPEN | STALE_LAYOUT
 
 
 class GradientMismatchError(RuntimeError):
@@ -170,11 +170,11 @@ def agree_on_plan(
     return False
 
 
-def gradient_codes(params: Sequence[Tensor], relayouted: Collection[Tensor], nonfinite: str) -> list[int]:
+def gradient_codes(params: Sequence[Tensor], stale: Collection[Tensor], nonfinite: str) -> list[int]:
     """This rank's findings, one bit set per parameter (a rare path: reads every gradient)."""
     codes = []
     for p in params:
-        code = RELAYOUT if p in relayouted else 0
+        code = STALE_LAYOUT if p in stale else 0
         if p.grad is not None:
             code |= HAS_GRAD
             if p.grad.layout != torch.strided:
@@ -198,14 +198,15 @@ def explain(
     names: dict[Tensor, str],
     group: dist.ProcessGroup | None,
     nonfinite: str,
-    relayouted: Collection[Tensor] = (),
+    stale: Collection[Tensor] = (),
 ) -> NoReturn:
     """Share every rank's per-parameter findings (one ``all_reduce`` over ``group``; None: this
     rank's alone) and raise, on every rank alike: ValueError for sparse or misshapen gradients
-    and relayouted parameters, GradientMismatchError when ranks disagree on which parameters
-    have gradients, NonFiniteGradientError for inf/NaN with ``nonfinite="raise"``, and otherwise
-    ValueError: the ranks' Muon group options differ (what is left when the digests disagree)."""
-    codes = gradient_codes(params, relayouted, nonfinite)
+    and parameters whose layout changed (``stale``), GradientMismatchError when ranks disagree
+    on which parameters have gradients, NonFiniteGradientError for inf/NaN with
+    ``nonfinite="raise"``, and otherwise ValueError: the ranks' Muon group options differ (what
+    is left when the digests disagree)."""
+    codes = gradient_codes(params, stale, nonfinite)
     device = params[0].device if params else torch.device("cpu")
     if group is None:
         table = [codes]

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.bench_optimizer import sharded_model
 from benchmarks.matmul_floor import sync
-from dmuon_fsdp import DMuonFSDP, param_groups
+from dmuon_fsdp import DMuonFSDP, comm, param_groups
 from dmuon_fsdp.newton_schulz import (
     MUON_COEFFICIENTS,
     NS_ALGORITHMS,
@@ -129,14 +129,13 @@ def step_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
             optimizers[alg].step()
             sync(device)
             took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            comm.all_max(took, None)  # settled, as bench_optimizer's reductions
             if i >= args.warmup:
                 samples[alg].append(took.item())
     flops = {}
     for alg, opt in optimizers.items():
         mine = torch.tensor([opt.last_step_stats.ns_flops], dtype=torch.float64, device=device)
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        flops[alg] = mine.item()
+        flops[alg] = comm.all_max(mine, None).item()
     if rank == 0:
         result = {
             alg: {"median_s": statistics.median(v), "min_s": min(v), "busiest_ns_flops": flops[alg]}

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import fully_shard
 
 from benchmarks.gather_muon import GatherAllMuon
 from benchmarks.matmul_floor import bmm_seconds, ns_throughput_report
-from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, comm, param_groups
 from dmuon_fsdp.newton_schulz import default_ns_dtype
 from dmuon_fsdp.stats import PHASES
 from recipes.model import PRESETS, Transformer, preset
@@ -85,6 +85,11 @@ def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) ->
     raise ValueError(f"unknown contender {name!r}")
 
 
+# The benchmarks' own reductions go through dmuon_fsdp.comm, which returns only once gloo's worker
+# thread has let go of the tensors: a release left for interpreter exit aborts a rank ("terminate
+# called without an active exception"), as torch.distributed's plain calls could at the end of a run.
+
+
 def timed_steps(optimizers: list, steps: int, warmup: int, device: torch.device) -> dict:
     wall, cpu = [], []
     for i in range(warmup + steps):
@@ -99,12 +104,10 @@ def timed_steps(optimizers: list, steps: int, warmup: int, device: torch.device)
         sample = torch.tensor(
             [time.perf_counter() - start, time.process_time() - start_cpu], dtype=torch.float64, device=device
         )  # NCCL reduces device tensors only
-        slowest, total_cpu = sample.clone(), sample.clone()
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        dist.all_reduce(total_cpu)
+        table = comm.all_rows(sample, dist.group.WORLD)  # every rank's (wall, cpu); see below
         if i >= warmup:
-            wall.append(slowest[0].item())
-            cpu.append(total_cpu[1].item())
+            wall.append(table[:, 0].max().item())
+            cpu.append(table[:, 1].sum().item())
     return {
         "median_s": statistics.median(wall),
         "min_s": min(wall),
@@ -127,16 +130,15 @@ def dmuon_breakdown(model, ns_dtype, steps, device, world) -> dict:
     plan, me = opt.plan, opt.exchange_rank
     element = torch.empty((), dtype=ns_dtype).element_size()
     floor = bmm_seconds(plan, me, ns_dtype, device)
-    mine = {
-        "seconds": {ph: statistics.median(s.seconds.get(ph, 0.0) for s in per_step) for ph in PHASES},
-        "ns_flops": stats.ns_flops,
-        "bytes_sent": stats.bytes_sent,
-        "bytes_received": stats.bytes_received,
-        "bytes_bound": plan.elements_moved(me) * element,
-        "floor_s": floor,
-    }
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
+    seconds = [statistics.median(s.seconds.get(ph, 0.0) for s in per_step) for ph in PHASES]
+    counts = [stats.ns_flops, stats.bytes_sent, stats.bytes_received, plan.elements_moved(me) * element]
+    mine = torch.tensor([*seconds, *counts, floor], dtype=torch.float64, device=device)
+    everyone = []
+    for row in comm.all_rows(mine, dist.group.WORLD).tolist():
+        numbers = dict(
+            zip(("ns_flops", "bytes_sent", "bytes_received", "bytes_bound"), map(int, row[len(PHASES) :]))
+        )
+        everyone.append({"seconds": dict(zip(PHASES, row)), **numbers, "floor_s": row[-1]})
     return {"ranks": everyone, "buckets": len(plan.buckets), "matrices": len(plan.matrices)}
 
 

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(module, *args):
     """``python -m benchmarks.<module> args`` from the repository root."""
     command = [sys.executable, "-m", f"benchmarks.{module}", *map(str, args)]
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, f"{' '.join(command[1:])} exited {done.returncode}:\n{done.stderr[-4000:]}"
 
 
 def test_bench_optimizer_reports_every_contender_and_plan_bytes(tmp_path):

@@ -28,9 +28,7 @@ def routing(model: nn.Module, head: str | nn.Module | None = None) -> dict[nn.Pa
 
 
 def param_groups(
-    model: nn.Module,
-    head: str | nn.Module | None = None,
-    **muon_options: Any,
+    model: nn.Module, head: str | nn.Module | None = None, **muon_options: Any
 ) -> list[dict[str, Any]]:
     """Split ``model``'s trainable parameters into a Muon group and an AdamW group.
 

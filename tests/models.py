@@ -79,12 +79,8 @@ def reference_run():
                     grads[n],
                     bufs[n],
                     lr=opts["lr"],
-                    momentum=0.95,
-                    nesterov=True,
                     weight_decay=opts["weight_decay"],
                     coefficients=coefficients,
-                    steps=5,
-                    eps=1e-7,
                     adjust_lr_fn=opts["adjust_lr_fn"],
                 )
         for n, v in vectors.items():

@@ -21,10 +21,25 @@ def reference_orthogonalize(m: torch.Tensor, coefficients, steps: int, eps: floa
     return x.T if transposed else x
 
 
+KELLER = (3.4445, -4.7750, 2.0315)
+
+
 def reference_muon_step(
-    param, grad, buf, *, lr, momentum, nesterov, weight_decay, coefficients, steps, eps, adjust_lr_fn
+    param,
+    grad,
+    buf,
+    *,
+    lr,
+    momentum=0.95,
+    nesterov=True,
+    weight_decay=0.0,
+    coefficients=KELLER,
+    steps=5,
+    eps=1e-7,
+    adjust_lr_fn=None,
 ):
-    """One Muon step on float64 full tensors, in place on ``param`` and ``buf``."""
+    """One Muon step on float64 full tensors, in place on ``param`` and ``buf`` (the defaults are
+    torch.optim.Muon's, weight decay aside)."""
     buf.mul_(momentum).add_(grad, alpha=1 - momentum)
     update = grad + momentum * (buf - grad) if nesterov else buf
     ortho = reference_orthogonalize(update, coefficients, steps, eps)

@@ -44,19 +44,7 @@ def _reference():
             for start, rows in blocks:
                 block_p = view_p[start : start + rows].clone()
                 block_b = view_b[start : start + rows].clone()
-                reference_muon_step(
-                    block_p,
-                    view_g[start : start + rows],
-                    block_b,
-                    lr=0.05,
-                    momentum=0.95,
-                    nesterov=True,
-                    weight_decay=0.1,
-                    coefficients=(3.4445, -4.7750, 2.0315),
-                    steps=5,
-                    eps=1e-7,
-                    adjust_lr_fn=None,
-                )
+                reference_muon_step(block_p, view_g[start : start + rows], block_b, lr=0.05, weight_decay=0.1)
                 view_p[start : start + rows] = block_p
                 view_b[start : start + rows] = block_b
     return params

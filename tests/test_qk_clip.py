@@ -21,16 +21,7 @@ from dmuon_fsdp.qk_clip import AttentionWeights, QKClip
 HEADS, KV_HEADS, HEAD_DIM, DIM = 4, 2, 5, 8
 TAU, ALPHA, STEPS = 10.0, 0.5, 3
 OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
-REFERENCE = dict(
-    lr=0.05,
-    momentum=0.95,
-    nesterov=True,
-    weight_decay=0.1,
-    coefficients=(3.4445, -4.7750, 2.0315),
-    steps=5,
-    eps=1e-7,
-    adjust_lr_fn=None,
-)
+REFERENCE = dict(lr=0.05, weight_decay=0.1)
 Q_ROWS, K_ROWS = (0, HEADS * HEAD_DIM), (HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM)
 
 

@@ -8,15 +8,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from models import (
-    SHAPES,
-    STEPS,
-    VECTORS,
-    ShapesModel,
-    gradients,
-    make_groups,
-    reference_run,
-)
+from models import SHAPES, STEPS, VECTORS, ShapesModel, gradients, make_groups, reference_run
 from reference import reference_muon_step, relative_error
 from torch import nn
 
@@ -56,19 +48,7 @@ def test_scheduler_changes_the_step_of_both_muon_and_adamw_parts():
         gw, gb = torch.randn_like(w), torch.randn_like(b)
         w.grad, b.grad, ref_b.grad = gw, gb, gb.clone()
         opt.step()
-        reference_muon_step(
-            ref_w,
-            gw,
-            buf,
-            lr=0.1 * 0.5**step,
-            momentum=0.9,
-            nesterov=True,
-            weight_decay=0.0,
-            coefficients=(3.4445, -4.7750, 2.0315),
-            steps=5,
-            eps=1e-7,
-            adjust_lr_fn=None,
-        )
+        reference_muon_step(ref_w, gw, buf, lr=0.1 * 0.5**step, momentum=0.9)
         ref_adamw.step()
         sched.step()
         ref_sched.step()
@@ -294,12 +274,8 @@ def _expected_after_a_step(w, coefficients, steps):
         torch.zeros_like(expected),
         lr=0.02,
         momentum=0.0,
-        nesterov=True,
-        weight_decay=0.0,
         coefficients=coefficients,
         steps=steps,
-        eps=1e-7,
-        adjust_lr_fn=None,
     )
     return expected
 
@@ -451,19 +427,7 @@ def test_a_replaced_state_tensor_is_followed():
     opt.state[w]["momentum_buffer"] = buf.clone()  # replaced by hand: the next step uses and updates it
     expected = w.detach().clone()
     w.grad = torch.randn_like(w)
-    reference_muon_step(
-        expected,
-        w.grad,
-        buf,
-        lr=0.02,
-        momentum=0.5,
-        nesterov=True,
-        weight_decay=0.0,
-        coefficients=(3.4445, -4.7750, 2.0315),
-        steps=5,
-        eps=1e-7,
-        adjust_lr_fn=None,
-    )
+    reference_muon_step(expected, w.grad, buf, lr=0.02, momentum=0.5)
     opt.step()
     assert relative_error(w.detach(), expected) < 1e-12
     assert relative_error(opt.state[w]["momentum_buffer"], buf) < 1e-12

@@ -6,17 +6,13 @@ the ranks (one ``all_reduce``, with a check on) -> this rank's schedule -> buffe
 ``ProgramCache`` keeps the program and decides whether a step needs a new one, the same one
 bound to new tensors, or the one it has.
 
-Buffers: per bucket a send and a receive buffer for each exchange (``comm_dtype``, laid out as
-the schedule says), a (B, s, l) stack per batch of owned matrices of one shape, NS settings and
-NS form (``ns_dtype``; tall matrices stored transposed, so they batch with wide ones of the same
-sides), and one NS workspace shared by all stacks. Own pieces never enter an exchange buffer;
-when ``comm_dtype`` differs from ``ns_dtype`` they pass through a local ``comm_dtype`` staging
-buffer instead, so that every rank's copy of a result is rounded alike (replicas stay equal).
-Views: what a parameter's matrices orthogonalize is written straight into its destination (a
-send-buffer segment or a stack region, viewed in the local shard's shape) when the local shard
-is a single piece sent whole; otherwise into a scratch copy of the shard, spread by one foreach
-copy. Buffers live as long as the program and are reused every step: on CUDA, steps must run
-on one stream (or be synchronized when it changes), as the exchanges are ordered on it.
+Buffers (every bucket's exchange buffers in ``comm_dtype``, one (B, s, l) stack per batch of owned
+matrices in ``ns_dtype``, tall ones transposed, and one NS workspace for all) live as long as the
+program and are reused every step; what a parameter's matrices orthogonalize is written straight
+into its send-buffer segment or stack region when its shard is one piece sent whole, else through
+a scratch copy. Own pieces never enter an exchange buffer; with ``comm_dtype != ns_dtype`` they
+pass through a ``comm_dtype`` staging copy, so that replicas round results alike. docs/design.md
+("Memory") lists every buffer.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, comm, param_groups
 from recipes import checkpoint, options, run_dir
 from recipes.data import (
     Corpus,
@@ -202,7 +202,7 @@ def evaluate(model, batches, device) -> float:
     total = torch.zeros((), device=device)
     for x, y in batches:
         total += model(x.to(device), y.to(device)).float()
-    dist.all_reduce(total)
+    comm.all_sum(total, None)
     return total.item() / (len(batches) * dist.get_world_size())
 
 
@@ -325,7 +325,7 @@ def train(args: argparse.Namespace) -> dict:
             opt.zero_grad(set_to_none=True)
         for scheduler in schedulers:
             scheduler.step()
-        dist.all_reduce(loss_sum)
+        comm.all_sum(loss_sum, None)
         train_loss = loss_sum.item() / world
         history["losses"][step + 1] = train_loss
         fb_times.append(t1 - t0)
@@ -373,8 +373,10 @@ def train(args: argparse.Namespace) -> dict:
                     say(f"deleted checkpoint {old} (--keep-last {args.keep_last})")
     if progress:
         progress.close()
-    memory = [None] * world
-    dist.all_gather_object(memory, peak_memory_mb(device))
+    # The run's last collective: dmuon_fsdp.comm returns once gloo has let go of its tensors, so no
+    # release is left for interpreter exit, where it aborts the process (CHANGELOG, history).
+    mine = torch.tensor([peak_memory_mb(device)], dtype=torch.float64, device=device)
+    memory = [row[0] for row in comm.all_rows(mine, dist.group.WORLD).tolist()]
     if rank == 0 and fb_times:
         write_summary(args, start.run_dir, model, history, fb_times, opt_times, memory, device)
     if log:

@@ -150,6 +150,18 @@ def released_after_wait(rank, world_size):
         del handle
         held += counts() != before
         assert torch.equal(receive.view(world_size, 3)[:, 0], torch.arange(world_size) + float(trial))
+        # The small collectives (plan agreement, error tables, QK-clip, the recipe's sums) alike.
+        values = torch.full((3,), float(rank + trial))
+        before = (sys.getrefcount(values), torch._C._storage_Use_Count(values.untyped_storage()._cdata))
+        for reduce in (comm.all_max, comm.all_sum):
+            reduce(values, group)
+            now = (sys.getrefcount(values), torch._C._storage_Use_Count(values.untyped_storage()._cdata))
+            held += now != before
+        table = comm.all_rows(torch.tensor([float(rank)]), group)
+        fresh = torch.zeros(1)  # held by nothing but this frame, as the table should be
+        storage_uses = [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in (table, fresh)]
+        held += sys.getrefcount(table) != sys.getrefcount(fresh) or storage_uses[0] != storage_uses[1]
+        assert table.flatten().tolist() == [float(r) for r in range(world_size)]
     return held
 
 

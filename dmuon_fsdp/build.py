@@ -107,8 +107,10 @@ class ProgramCache:
         agreeing = settings.check_grads and program is not None and program.flags is not None
         if checks.build_now(program.key if program is not None else None, key, agreeing):
             self._program = None  # its buffers go before the new ones are allocated
+            elementwise.restore_state(groups, state)
             self._program = build_program(key, groups, state, names, settings)
         elif self._rebind or program.moved(params, state):
+            elementwise.restore_state(groups, state)  # state cleared by hand starts afresh
             if checks.stale_layouts(params, state):
                 return Ready(program, bound=False)
             self._program = None
@@ -214,6 +216,7 @@ def _bind(
         storage=tuple(t.data_ptr() for t in binder.locals),
         state_slots=tuple((e.param, k, value) for e in binder.entries for k, value in state[e.param].items()),
         grad_shapes=[t.shape for t in binder.locals],
+        grad_dtypes=[t.dtype for t in binder.locals],
         found=torch.zeros(1, device=settings.device),
         one=torch.ones((), device=settings.device),
         muon=muon,

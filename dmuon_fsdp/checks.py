@@ -49,14 +49,15 @@ STRUCTURAL = (
 FLAG_ELEMENTS = 10  # check elements per peer in the first exchange
 INVALID_SLOT, NONFINITE_SLOT = 0, 1  # then the digest's four bytes, then their negations
 
-HAS_GRAD, NONFINITE, SPARSE, MISSHAPEN, STALE_LAYOUT = 1, 2, 4, 8, 16
+HAS_GRAD, NONFINITE, SPARSE, MISSHAPEN, STALE_LAYOUT, MISTYPED = 1, 2, 4, 8, 16, 32
 INVALID = {
     SPARSE: ": sparse gradients are not supported",
     MISSHAPEN: ": its gradient shard does not match the parameter shard",
+    MISTYPED: ": its gradient's dtype is not the parameter's (a grad_dtype other than the parameter's)",
     STALE_LAYOUT: " changed layout after the optimizer was built: its optimizer state no longer matches "
     "the parameter's local shard",
 }
-INVALID_BITS = SPARSE | MISSHAPEN | STALE_LAYOUT
+INVALID_BITS = SPARSE | MISSHAPEN | STALE_LAYOUT | MISTYPED
 
 
 class GradientMismatchError(RuntimeError):
@@ -181,6 +182,8 @@ def gradient_codes(params: Sequence[Tensor], stale: Collection[Tensor], nonfinit
                 code |= SPARSE
             elif local_shard(p.grad).shape != local_shard(p).shape:
                 code |= MISSHAPEN
+            elif p.grad.dtype != p.dtype:
+                code |= MISTYPED
         codes.append(code)
     if nonfinite != "ignore" and not any(code & INVALID_BITS for code in codes):
         checked = [

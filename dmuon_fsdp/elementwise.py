@@ -5,12 +5,15 @@ each parameter holds, what Muon orthogonalizes, its step size, and AdamW through
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as torch_adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach
+
+STATE_KEYS = {True: ("momentum_buffer",), False: ("step", "exp_avg", "exp_avg_sq")}  # by use_muon
 
 
 def initial_state(p: Tensor, use_muon: bool) -> dict[str, Tensor]:
@@ -22,6 +25,17 @@ def initial_state(p: Tensor, use_muon: bool) -> dict[str, Tensor]:
         return {"momentum_buffer": zeros}
     step = torch.zeros((), dtype=torch.float32, device=p.device)
     return {"step": step, "exp_avg": zeros, "exp_avg_sq": torch.zeros_like(zeros)}
+
+
+def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
+    """Make afresh the state that was cleared or removed by hand (``opt.state.clear()``, ``del
+    opt.state[p]``, a new ``opt.state``): a parameter with fewer state entries than its kind
+    holds starts as before its first step, as with torch's optimizers (whose state is lazy)."""
+    for group in groups:
+        held = len(STATE_KEYS[group["use_muon"]])
+        for p in group["params"]:
+            if len(state.get(p, ())) < held:
+                state[p] = initial_state(p, group["use_muon"])
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:

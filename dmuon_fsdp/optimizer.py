@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch.optim import Optimizer
 from dmuon_fsdp import build, comm, swaps, validation
 from dmuon_fsdp.build import ProgramCache
 from dmuon_fsdp.checks import StepKey, Verdict
-from dmuon_fsdp.elementwise import initial_state
+from dmuon_fsdp.elementwise import initial_state, restore_state
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
 from dmuon_fsdp.param_groups import routing
 from dmuon_fsdp.planner import Plan
@@ -170,18 +171,48 @@ class DMuonFSDP(Optimizer):
             self._params = [p for _, p in followed.indexed]
             self._set_meshes(followed.meshes)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Torch's (defaults, state, param groups) and DMuonFSDP's options, names and order:
+        ``copy.deepcopy`` and pickling (``torch.save(opt)``) give an optimizer that steps as this
+        one would. The step program, the meshes and the process group are made anew."""
+        own = ("_options", "_names", "_indexed", "_state_written", "last_step_stats")
+        return {**super().__getstate__(), **{key: self.__dict__[key] for key in own}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        fresh = "_programs" not in self.__dict__  # unpickled (torch's load_state_dict calls this too)
+        super().__setstate__(state)
+        if fresh:
+            self._params = [p for _, p in self._indexed]
+            self._programs, self._route = ProgramCache(), None
+            self._set_meshes(validation.check_new_groups(self.param_groups, self._names, {}, {}))
+
     def state_dict(self) -> dict[str, Any]:
         """Torch's state dict (after following any parameters replaced in ``param_groups``)."""
         self._follow_swaps()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict after checking it matches this optimizer parameter by parameter."""
+        """Load a state dict (this optimizer's, or ``torch.optim.Muon``'s over the same matrices)
+        after checking it matches parameter by parameter. Load pre-hooks run first, on the
+        caller's dict, as torch documents. A parameter the dict holds no state for (never
+        stepped, or frozen: torch's state-dict helpers leave those out) starts afresh."""
         self._follow_swaps()
-        validation.check_state_dict(state_dict, self.param_groups, self._names, self.state)
+        state_dict = state_dict.copy()  # shallow, as torch's: a hook may rewrite the dict it is given
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        validation.check_state_dict(state_dict, self.param_groups, self._names)
         # Options added since the state dict was saved (ns_algorithm) keep this optimizer's values.
         groups = [{**group, **saved} for saved, group in zip(state_dict["param_groups"], self.param_groups)]
-        super().load_state_dict({**state_dict, "param_groups": groups})
+        hooks, self._optimizer_load_state_dict_pre_hooks = (
+            self._optimizer_load_state_dict_pre_hooks,
+            OrderedDict(),
+        )
+        try:  # torch's load would run the pre-hooks again, after the checks above
+            super().load_state_dict({**state_dict, "param_groups": groups})
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
+        restore_state(self.param_groups, self.state)
         for p in self._params:
             state = self.state[p]
             if "step" in state:
@@ -189,9 +220,12 @@ class DMuonFSDP(Optimizer):
         self._programs.state_replaced()
         self._state_written = True
 
+    @torch.compiler.disable(recursive=True)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Momentum and AdamW on local shards, Newton-Schulz by owners, then the update."""
+        """Momentum and AdamW on local shards, Newton-Schulz by owners, then the update. Runs
+        eagerly under ``torch.compile`` (it is excluded from tracing: its collectives, host read
+        and buffers are fixed per program, nothing a graph would gain)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -177,6 +177,7 @@ class StepProgram:
     storage: tuple[int, ...]  # data_ptr of each entry's local shard when bound
     state_slots: tuple[tuple[Tensor, str, Tensor], ...]  # (parameter, state key, the tensor bound)
     grad_shapes: list[torch.Size]
+    grad_dtypes: list[torch.dtype]  # a gradient must have its parameter's dtype
     found: Tensor  # (1,) float32: the non-finite check's result on the device
     one: Tensor  # 1.0, the check's scale
     muon: tuple[MuonLists, ...]
@@ -188,19 +189,19 @@ class StepProgram:
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields
 
     def local_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor] | None:
-        """This rank's gradient shards in entry order, or None when one is sparse or shaped
-        unlike its parameter (``grads`` holds every optimizer parameter's ``.grad``)."""
+        """This rank's gradient shards in entry order, or None when one is sparse or shaped or
+        typed unlike its parameter (``grads`` holds every optimizer parameter's ``.grad``)."""
         local = [local_shard(grads[e.position]) for e in self.entries]
-        if [g.shape for g in local] != self.grad_shapes or any(g.layout != torch.strided for g in local):
+        if [g.shape for g in local] != self.grad_shapes or [g.dtype for g in local] != self.grad_dtypes:
             return None
-        return local
+        return None if any(g.layout != torch.strided for g in local) else local
 
     def moved(self, params: Sequence[Tensor], state: Any) -> bool:
         """Whether a parameter's local storage (``p.data = ...``) or one of its state tensors
         (``opt.state[p][key] = ...``) was replaced since binding."""
         if [local_shard(params[e.position]).data_ptr() for e in self.entries] != list(self.storage):
             return True
-        return any(state[p][key] is not bound for p, key, bound in self.state_slots)
+        return any(state.get(p, _NONE).get(key) is not bound for p, key, bound in self.state_slots)
 
     def run(
         self,
@@ -335,6 +336,9 @@ class StepProgram:
                 groups[lists.group],
                 lists.kernel,
             )
+
+
+_NONE: dict = {}  # the state of a parameter whose state was removed (``moved`` reports it)
 
 
 def _wait(handle: comm.Handle | None) -> Tensor | None:

@@ -51,11 +51,11 @@ def follow(
     check(known, now, names, written)
     names = {new: names[old] for (_, old), new in zip(known, current)}
     meshes = validation.check_new_groups(groups, names, {}, {})
-    states = [state.pop(old) for _, old in known]
+    states = [state.pop(old, {}) for _, old in known]
     for (g, old), new, saved in zip(known, current, states):
         if new is old:
             state[new] = saved
-        elif written:
+        elif written and saved:
             state[new] = {
                 key: value.to(new.device) if key == "step" else placed_like(value, new)
                 for key, value in saved.items()

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from dmuon_fsdp import comm
 from dmuon_fsdp.checks import NONFINITE_POLICIES
+from dmuon_fsdp.elementwise import STATE_KEYS
 from dmuon_fsdp.layouts import describe_params, mesh_dims_in
 from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
 
@@ -91,11 +92,13 @@ def split_group(
     defaults: dict[str, Any],
     route: dict[Tensor, tuple[str, bool]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[Tensor, str]]:
-    """Route a param group's parameters: a Muon group and/or an AdamW group (AdamW's lr, betas,
-    eps and weight decay from its ``adamw_*`` options unless the group sets ``use_muon=False``),
-    and each parameter's name for messages (``known``: the names already taken). Without
-    ``use_muon`` in the group, matrices go to Muon, or with ``route`` (parameter -> (name, to
-    Muon), see ``param_groups.routing``) what it says."""
+    """Route a param group's parameters: a Muon group and/or an AdamW group, and each
+    parameter's name for messages (``known``: the names already taken). Without ``use_muon`` in
+    the group, matrices go to Muon, or with ``route`` (parameter -> (name, to Muon), see
+    ``param_groups.routing``) what it says. The group's own lr, betas, eps and weight_decay are
+    AdamW's when all of its parameters go to AdamW (``use_muon=False``, or only vectors); in a
+    group that also holds Muon parameters they are Muon's, and its AdamW part takes the
+    group's (or the optimizer's) ``adamw_*`` values."""
     group = dict(param_group)
     for key in OPTIMIZER_WIDE:
         if key in group:
@@ -139,7 +142,7 @@ def split_group(
     if adamw:
         adamw_group = {**group, "params": adamw, "use_muon": False}
         for key in ("lr", "betas", "eps", "weight_decay"):
-            if not (use_muon is False and key in group):
+            if muon or key not in group:
                 adamw_group[key] = group.get(f"adamw_{key}", defaults[f"adamw_{key}"])
         new_groups.append(adamw_group)
     return new_groups, names
@@ -177,33 +180,35 @@ def check_adamw_group(group: dict[str, Any]) -> None:
         raise ValueError(f"AdamW betas must be two numbers in [0, 1), got {betas}")
 
 
-def check_saved_state(name: str, param: Tensor, expected: dict[str, Any], saved: dict[str, Any]) -> None:
-    """``saved`` (from a state dict) must hold the same keys and shapes as ``expected``."""
-    if set(saved) != set(expected):
+def check_saved_state(name: str, param: Tensor, use_muon: bool, saved: dict[str, Any]) -> None:
+    """``saved`` (from a state dict) must hold the state keys of the parameter's kind, each
+    shaped like the parameter (``step`` aside), or nothing (the parameter then starts afresh)."""
+    expected = set(STATE_KEYS[use_muon])
+    if saved and set(saved) != expected:
         raise ValueError(f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}")
     for key, value in saved.items():
-        if key != "step" and tuple(value.shape) != tuple(expected[key].shape):
+        if key != "step" and tuple(value.shape) != tuple(param.shape):
             raise ValueError(
                 f"{name}: saved {key} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
             )
 
 
-def check_state_dict(
-    state_dict: dict[str, Any], groups: list[dict[str, Any]], names: dict, state: Any
-) -> None:
-    """A state dict to load must match the optimizer group by group and parameter by parameter."""
+def check_state_dict(state_dict: dict[str, Any], groups: list[dict[str, Any]], names: dict) -> None:
+    """A state dict to load must match the optimizer group by group and parameter by parameter.
+    A group saved without ``use_muon`` (``torch.optim.Muon``'s) matches a Muon group."""
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     if len(saved_groups) != len(groups):
         raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
     for index, (saved, group) in enumerate(zip(saved_groups, groups)):
-        if len(saved["params"]) != len(group["params"]) or saved.get("use_muon") != group["use_muon"]:
+        kind = saved.get("use_muon", True if "ns_steps" in saved else None)
+        if len(saved["params"]) != len(group["params"]) or kind != group["use_muon"]:
+            theirs, ours = len(saved["params"]), len(group["params"])
             raise ValueError(
-                f"param group {index}: state dict has {len(saved['params'])} parameters (use_muon="
-                f"{saved.get('use_muon')}), this optimizer {len(group['params'])} "
-                f"(use_muon={group['use_muon']})"
+                f"param group {index}: state dict has {theirs} parameters (use_muon="
+                f"{saved.get('use_muon')}), this optimizer {ours} (use_muon={group['use_muon']})"
             )
         for key, p in zip(saved["params"], group["params"]):
-            check_saved_state(names[p], p, state[p], saved_state.get(key, {}))
+            check_saved_state(names[p], p, group["use_muon"], saved_state.get(key, {}))
 
 
 def check_new_groups(

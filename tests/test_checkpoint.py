@@ -107,3 +107,40 @@ def test_a_recipe_checkpoint_from_before_ns_algorithm_loads(tmp_path):
         assert checkpoint.load(tmp_path, model, [fresh], []) == 3
     muon = fresh.param_groups[0]
     assert muon["use_muon"] and (muon["ns_algorithm"], muon["lr"]) == ("auto", 0.03)  # lr from the checkpoint
+
+
+def frozen_round_trip(rank, world_size, path):
+    """A frozen (requires_grad=False) Muon weight and a frozen vector in model.parameters():
+    torch's state-dict helpers leave their state out; the optimizer takes the dict back (their
+    state starts afresh, untouched as they never step) and DCP round-trips it, as with AdamW."""
+    model = sharded_model()
+    model.holders["sq2"].weight.requires_grad_(False)
+    model.holders["b5"].weight.requires_grad_(False)
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
+    _train(model, opt, range(2))
+    saved = get_optimizer_state_dict(model, opt)
+    dcp.save({"model": get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
+    reference = _snapshot(model, opt)
+    _train(model, opt, range(2, 4))
+    expected = _snapshot(model, opt)
+    fresh = sharded_model()
+    for name in ("sq2", "b5"):
+        fresh.holders[name].weight.requires_grad_(False)
+    fresh_opt = DMuonFSDP(make_groups(fresh), ns_dtype=torch.float32)
+    state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+    loaded = _snapshot(fresh, fresh_opt)
+    _train(fresh, fresh_opt, range(2, 4))
+    return reference, loaded, expected, _snapshot(fresh, fresh_opt)
+
+
+def test_frozen_parameters_round_trip_through_torchs_state_dict_helpers(tmp_path):
+    for reference, loaded, expected, resumed in run_ranks(frozen_round_trip, 2, str(tmp_path)):
+        assert loaded.keys() == reference.keys() and all(
+            torch.equal(loaded[k], reference[k]) for k in reference
+        )
+        assert resumed.keys() == expected.keys() and all(
+            torch.equal(resumed[k], expected[k]) for k in expected
+        )

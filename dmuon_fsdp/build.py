@@ -129,7 +129,7 @@ def explain(
     """Raise the error every rank agrees on (``checks.explain``; a collective when ``shared``)."""
     params = _params(groups)
     group = settings.site.group.group if shared else None
-    checks.explain(params, names, group, settings.nonfinite, checks.stale_layouts(params, state))
+    checks.explain(params, names, groups, group, settings.nonfinite, checks.stale_layouts(params, state))
 
 
 def _indexed(groups: Sequence[dict[str, Any]]) -> list[tuple[int, Tensor]]:
@@ -173,10 +173,17 @@ def build_program(
     trouble = bool(checks.stale_layouts(_params(groups), state))
     shared = key.flags and exchange.group is not None
     if shared:
-        world, signature = plan.world_size, plan.signature()
-        compare = settings.check_grads
+        identities = [
+            (f"{m.name} ({m.rows}x{m.cols})", m.pieces, m.replicas, cost) for m, cost in zip(layouts, costs)
+        ]
         trouble = checks.agree_on_plan(
-            trouble, key.digest, signature, world, exchange.group, settings.device, compare
+            trouble,
+            key.digest,
+            plan.signature(),
+            identities,
+            exchange.group,
+            settings.device,
+            settings.check_grads,
         )
     if trouble:
         explain(groups, state, names, settings, shared)
@@ -199,7 +206,7 @@ def _bind(
     muon, spread = binder.momentum(state)
     flags, wire = None, schedule.buckets[0].to_owners
     if wire is not None and wire.flags:  # the first exchange carries the check flags
-        flags = Flags.bind(buckets[0].to_owners, checks.encode(key.digest, invalid=False))
+        flags = Flags.bind(buckets[0].to_owners, key.digest ^ checks.hyper_digest(groups))
     size = settings.comm_dtype.itemsize
     counts = {
         "ns_flops": sum(plan.costs[j] for bucket in schedule.buckets for j in bucket.owned),

@@ -46,6 +46,10 @@ STRUCTURAL = (
     "num_heads",
 )
 
+# Per-step options that every rank must step with alike (read at every step, so not in the key):
+# checked through the flags too, without a rebuild when they change alike (a scheduler's lr).
+HYPER = {True: ("lr", "momentum", "nesterov", "weight_decay"), False: ("lr", "betas", "eps", "weight_decay")}
+
 FLAG_ELEMENTS = 10  # check elements per peer in the first exchange
 INVALID_SLOT, NONFINITE_SLOT = 0, 1  # then the digest's four bytes, then their negations
 
@@ -98,6 +102,35 @@ class StepKey:
         return zlib.crc32(repr((self.has_grad, self.options, self.flags)).encode())
 
 
+def hyper_numbers(groups: Sequence[dict[str, Any]]) -> list[float]:
+    """Every group's per-step options (``HYPER``) as numbers, in group order."""
+    numbers = []
+    for group in groups:
+        for key in HYPER[group["use_muon"]]:
+            value = group[key]
+            if key == "betas":
+                numbers.extend(float(v) for v in value)
+            else:
+                numbers.append(float(value))
+    return numbers
+
+
+def hyper_labels(groups: Sequence[dict[str, Any]]) -> list[str]:
+    """What each of ``hyper_numbers`` is, for messages."""
+    labels = []
+    for g, group in enumerate(groups):
+        for key in HYPER[group["use_muon"]]:
+            parts = (f"{key}[0]", f"{key}[1]") if key == "betas" else (key,)
+            labels.extend(f"param group {g}'s {part}" for part in parts)
+    return labels
+
+
+def hyper_digest(groups: Sequence[dict[str, Any]]) -> int:
+    """32-bit checksum of the per-step options; it travels XORed into the key's digest (``encode``),
+    so ranks that step with different options disagree on the digest and explain."""
+    return zlib.crc32(repr(hyper_numbers(groups)).encode())
+
+
 def build_now(built: StepKey | None, key: StepKey, agreeing: bool) -> bool:
     """Whether to build a program for ``key`` before the step runs. With nothing built, or a
     changed key, yes, unless the built program carries flags (``agreeing``): then it runs once
@@ -106,7 +139,8 @@ def build_now(built: StepKey | None, key: StepKey, agreeing: bool) -> bool:
 
 
 def encode(key_digest: int, invalid: bool) -> list[float]:
-    """This rank's flags, with 0 in the non-finite slot (``nonfinite_indicator`` fills it)."""
+    """This rank's flags, with 0 in the non-finite slot (``nonfinite_indicator`` fills it);
+    ``key_digest`` is the step key's digest XOR ``hyper_digest``."""
     digits = [float((key_digest >> (8 * i)) & 255) for i in range(4)]
     return [float(invalid), 0.0, *digits, *(-d for d in digits)]
 
@@ -143,19 +177,26 @@ def stale_layouts(params: Sequence[Tensor], state: Any) -> set[Tensor]:
     }
 
 
+ADVICE = (
+    "every rank must pass the same parameters, in the same order (names included), with the same shapes, "
+    "placements and options; plain tensors under a process group count as replicated (DDP)"
+)
+
+
 def agree_on_plan(
     trouble: bool,
     key_digest: int,
     signature: int,
-    world_size: int,
+    identities: Sequence[tuple[str, Any]],
     group: dist.ProcessGroup,
     device: torch.device,
     compare: bool,
 ) -> bool:
     """When a program is built: one ``all_reduce`` telling every rank whether any rank found
     ``trouble`` or, with ``compare``, a different step key (then every rank should ``explain``).
-    With ``compare``, raises ValueError on every rank when the ranks built plans with different
-    ``signature``s."""
+    With ``compare``, ranks whose plans' ``signature``s differ all raise the same ValueError,
+    naming the first Muon matrix whose identity (``identities``: per matrix, its name and what
+    else the plan depends on) differs."""
     signature = signature if compare else 0
     key_digest = key_digest if compare else 0
     values = [int(trouble), key_digest, -key_digest, signature, -signature]
@@ -163,12 +204,51 @@ def agree_on_plan(
     if agreed[0] or agreed[1] != -agreed[2]:
         return True
     if agreed[3] != -agreed[4]:
-        raise ValueError(
-            f"the {world_size} ranks exchanging Muon matrices built different plans: their Muon "
-            "parameters (shapes, placements or group options) differ. Plain tensors under a "
-            "process group are treated as replicated on every rank (DDP)"
-        )
+        _explain_plans(identities, group, device)
     return False
+
+
+def _rows(
+    values: Sequence[float], dtype: torch.dtype, group: dist.ProcessGroup, device: torch.device
+) -> list:
+    """Every rank's ``values`` (rows in group rank order), also when their lengths differ: the
+    lengths travel first, the rows padded to the longest (a rare path: two collectives)."""
+    lengths = comm.all_rows(torch.tensor([len(values)], dtype=torch.int64, device=device), group)
+    width = int(lengths.max())
+    row = torch.zeros(max(width, 1), dtype=dtype, device=device)
+    row[: len(values)] = torch.tensor(list(values), dtype=dtype)
+    table = comm.all_rows(row, group).tolist()
+    return [r[:n] for r, n in zip(table, lengths.flatten().tolist())]
+
+
+def _text(text: str, group: dist.ProcessGroup, device: torch.device) -> list[str]:
+    """Every rank's ``text`` (UTF-8, 400 bytes at most)."""
+    rows = _rows(list(text.encode()[:400]), torch.int32, group, device)
+    return [bytes(int(b) for b in row).decode(errors="replace") for row in rows]
+
+
+def _explain_plans(
+    identities: Sequence[tuple[str, Any]], group: dist.ProcessGroup, device: torch.device
+) -> NoReturn:
+    digests = [zlib.crc32(repr(identity).encode()) for identity in identities]
+    table = _rows(digests, torch.int64, group, device)
+    head = "the ranks exchanging Muon matrices built different plans"
+    if len({len(row) for row in table}) > 1:
+        counts = ", ".join(f"{len(row)} on rank {r}" for r, row in enumerate(table))
+        raise ValueError(f"{head}: they hold different numbers of Muon matrices ({counts}); {ADVICE}")
+    differing = [j for j in range(len(digests)) if len({row[j] for row in table}) > 1]
+    if not differing:
+        raise ValueError(
+            f"{head} from the same Muon matrices: ns_dtype, comm_dtype or bucket_bytes differ; {ADVICE}"
+        )
+    j = differing[0]
+    labels = _text(identities[j][0], group, device)
+    if len(set(labels)) == 1:
+        raise ValueError(
+            f"{head}: Muon matrix {j} ({labels[0]}) differs in layout or Newton-Schulz form; {ADVICE}"
+        )
+    which = ", ".join(f"{label} on rank {r}" for r, label in enumerate(labels))
+    raise ValueError(f"{head}: Muon matrix {j} is {which}; {ADVICE}")
 
 
 def gradient_codes(params: Sequence[Tensor], stale: Collection[Tensor], nonfinite: str) -> list[int]:
@@ -199,22 +279,23 @@ def gradient_codes(params: Sequence[Tensor], stale: Collection[Tensor], nonfinit
 def explain(
     params: Sequence[Tensor],
     names: dict[Tensor, str],
+    groups: Sequence[dict[str, Any]],
     group: dist.ProcessGroup | None,
     nonfinite: str,
     stale: Collection[Tensor] = (),
 ) -> NoReturn:
-    """Share every rank's per-parameter findings (one ``all_reduce`` over ``group``; None: this
-    rank's alone) and raise, on every rank alike: ValueError for sparse or misshapen gradients
-    and parameters whose layout changed (``stale``), GradientMismatchError when ranks disagree
-    on which parameters have gradients, NonFiniteGradientError for inf/NaN with
-    ``nonfinite="raise"``, and otherwise ValueError: the ranks' Muon group options differ (what
-    is left when the digests disagree)."""
+    """Share every rank's findings (collectives over ``group``; None: this rank's alone) and
+    raise, on every rank alike: ValueError for sparse, misshapen or mistyped gradients and
+    parameters whose layout changed (``stale``), GradientMismatchError when ranks disagree on
+    which parameters have gradients, NonFiniteGradientError for inf/NaN with
+    ``nonfinite="raise"``, ValueError naming a per-step or structural group option the ranks
+    disagree on, and otherwise ValueError (the ranks' steps differ in another way)."""
     codes = gradient_codes(params, stale, nonfinite)
     device = params[0].device if params else torch.device("cpu")
-    if group is None:
-        table = [codes]
-    else:
-        table = comm.all_rows(torch.tensor(codes, dtype=torch.int32, device=device), group).tolist()
+    table = [codes] if group is None else _rows(codes, torch.int32, group, device)
+    if len({len(row) for row in table}) > 1:
+        counts = ", ".join(f"{len(row)} on rank {r}" for r, row in enumerate(table))
+        raise ValueError(f"the ranks' optimizers hold different numbers of parameters ({counts}); {ADVICE}")
 
     def prefix(rank: int) -> str:
         return f"rank {rank}: " if len(table) > 1 else ""
@@ -250,7 +331,28 @@ def explain(
         raise NonFiniteGradientError(
             f"non-finite gradient in {', '.join(bad)}; pass nonfinite='skip' to skip such steps"
         )
-    raise ValueError(
-        f"ranks disagree on the Muon param groups' options ({', '.join(STRUCTURAL)}): every rank must pass "
-        "the same"
-    )
+    if group is not None:
+        _explain_options(groups, group, device)
+    raise ValueError(f"the ranks' steps differ (parameters with gradients or group options); {ADVICE}")
+
+
+def _explain_options(
+    groups: Sequence[dict[str, Any]], group: dist.ProcessGroup, device: torch.device
+) -> None:
+    """Raise naming the first group option the ranks disagree on: a per-step one with every
+    rank's value, else a structural one (returns when they all agree)."""
+    hyper = _rows(hyper_numbers(groups), torch.float64, group, device)
+    for column, label in enumerate(hyper_labels(groups)):
+        values = [row[column] if column < len(row) else None for row in hyper]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"{v:g} on rank {r}" for r, v in enumerate(values) if v is not None)
+            raise ValueError(
+                f"ranks disagree on {label} ({per_rank}): every rank must step with the same options"
+            )
+    muon = [(g, options) for g, options in enumerate(groups) if options["use_muon"]]
+    labels = [f"param group {g}'s {key}" for g, _ in muon for key in STRUCTURAL]
+    digests = [zlib.crc32(repr(_frozen(options[key])).encode()) for _, options in muon for key in STRUCTURAL]
+    table = _rows(digests, torch.int64, group, device)
+    for column, label in enumerate(labels):
+        if len({row[column] if column < len(row) else None for row in table}) > 1:
+            raise ValueError(f"ranks disagree on {label}: every rank must pass the same")

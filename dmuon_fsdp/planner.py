@@ -52,8 +52,10 @@ class Plan:
         return [j for j in bucket.matrices if self.owners[j] == rank]
 
     def signature(self) -> int:
-        """A checksum of everything ranks must agree on to exchange (not the matrices' names)."""
-        shapes = [(m.rows, m.cols, m.pieces, m.replicas) for m in self.matrices]
+        """A checksum of everything ranks must agree on to exchange, the matrices' names included
+        (same-shaped parameters listed in another order on one rank would otherwise exchange
+        rows of different matrices)."""
+        shapes = [(m.name, m.rows, m.cols, m.pieces, m.replicas) for m in self.matrices]
         return zlib.crc32(
             repr((shapes, self.costs, self.owners, [b.matrices for b in self.buckets])).encode()
         )

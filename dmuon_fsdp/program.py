@@ -135,19 +135,23 @@ class AdamWLists:
     kernel: dict[str, bool]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Flags:
     """Where the check flags sit in the first exchange's buffers: (peers, FLAG_ELEMENTS), at the
-    head of every segment (``dmuon_fsdp.schedule``)."""
+    head of every segment (``dmuon_fsdp.schedule``), and this rank's flags when nothing is wrong
+    here (``values``, comm dtype, on the device) for the digest they were made for: made anew
+    only when the per-step options change (``checks.hyper_digest``)."""
 
     send: Tensor
     receive: Tensor
     nonfinite: Tensor  # the non-finite slot of each send segment: (peers,)
-    values: Tensor  # this rank's flags when nothing is wrong here, comm dtype, on the device
+    dtype: torch.dtype  # the exchange's
+    digest: int = -1
+    values: Tensor | None = None
 
     @classmethod
-    def bind(cls, first: comm.Exchange, values: list[float]) -> Flags:
-        """The flags' positions in ``first``, with ``values`` written into every send segment."""
+    def bind(cls, first: comm.Exchange, digest: int) -> Flags:
+        """The flags' positions in ``first``, with the flags of ``digest`` in every send segment."""
         device = first.send.device
 
         def heads(counts: list[int]) -> Tensor:
@@ -156,13 +160,19 @@ class Flags:
 
         send = heads(first.send_counts)
         flags = cls(
-            send,
-            heads(first.receive_counts),
-            send[:, checks.NONFINITE_SLOT].contiguous(),
-            torch.tensor(values, dtype=first.send.dtype, device=device),
+            send, heads(first.receive_counts), send[:, checks.NONFINITE_SLOT].contiguous(), first.send.dtype
         )
-        first.send.index_put_((flags.send,), flags.values)
+        first.send.index_put_((flags.send,), flags.values_for(digest))
         return flags
+
+    def values_for(self, digest: int) -> Tensor:
+        """This rank's flags for ``digest`` with nothing wrong here (the last ones, when unchanged)."""
+        if digest != self.digest:
+            values = torch.tensor(checks.encode(digest, invalid=False), dtype=self.dtype)
+            if self.send.device.type != "cpu":  # pinned, so that the copy does not block the host
+                values = values.pin_memory().to(self.send.device, non_blocking=True)
+            self.digest, self.values = digest, values
+        return self.values
 
 
 @dataclass(frozen=True)
@@ -216,14 +226,15 @@ class StepProgram:
         committed unless it is ``GO``. ``bound`` False: the parameters or their state changed
         layout since the program was bound (the step reports it, on every rank)."""
         local = self.local_grads(grads) if bound and key == self.key else None
+        hyper = checks.hyper_digest(groups) if self.flags is not None else 0  # every rank's alike?
         with stats.phase("momentum"):
             if local is not None:
                 self._ns_inputs(local, groups)
-            indicator = self._write_flags(key, local, options.nonfinite)
+            indicator = self._write_flags(key, hyper, local, options.nonfinite)
         in_flight = {0: self.launch(0)}
         if options.overlap and len(self.buckets) > 1:
             in_flight[1] = self.launch(1)
-        verdict = self._verdict(in_flight[0], local, indicator, options, stats)
+        verdict = self._verdict(in_flight[0], self.key.digest ^ hyper, local, indicator, options, stats)
         if verdict is not Verdict.GO:
             for handle in in_flight.values():
                 _wait(handle)
@@ -279,18 +290,22 @@ class StepProgram:
                 elementwise.muon_input(inputs.destinations, inputs.buffers, mine, weight, inputs.in_place)
         self.spread.run()
 
-    def _write_flags(self, key: StepKey, local: list[Tensor] | None, nonfinite: str) -> Tensor | None:
+    def _write_flags(
+        self, key: StepKey, hyper: int, local: list[Tensor] | None, nonfinite: str
+    ) -> Tensor | None:
         """This rank's check flags into every segment of the first exchange (device ops only):
-        the bound values, or what differs here (invalid gradients, another key). Returns the
-        non-finite indicator when that check is on."""
+        those of its key and per-step options (``hyper``), marked invalid when a gradient is.
+        Returns the non-finite indicator when that check is on."""
         indicator = None
         if nonfinite != "ignore" and local is not None:
             indicator = checks.nonfinite_indicator(local, self.found, self.one)
         if self.flags is not None:
-            send, values = self.buckets[0].to_owners.send, self.flags.values
+            send = self.buckets[0].to_owners.send
             if local is None or key != self.key:
-                found = checks.encode(key.digest, invalid=key == self.key)
-                values = torch.tensor(found, dtype=values.dtype, device=values.device)
+                found = checks.encode(key.digest ^ hyper, invalid=key == self.key)
+                values = torch.tensor(found, dtype=send.dtype, device=send.device)
+            else:
+                values = self.flags.values_for(key.digest ^ hyper)
             send.index_put_((self.flags.send,), values)
             if indicator is not None:
                 send.index_put_((self.flags.nonfinite,), indicator.to(send.dtype))
@@ -299,6 +314,7 @@ class StepProgram:
     def _verdict(
         self,
         first: comm.Handle | None,
+        expected: int,
         local: list[Tensor] | None,
         indicator: Tensor | None,
         options: Options,
@@ -306,15 +322,16 @@ class StepProgram:
     ) -> Verdict:
         """The verdict, the same on every rank, from at most one device-to-host read: the
         maximum of every rank's flags (from the first exchange) or, without flags, this rank's
-        own findings."""
+        own findings; ``expected``: the digest every rank sends when all step this program
+        with the same per-step options."""
         if self.flags is not None:
             with stats.phase("wait"):
                 summary = _wait(first)[self.flags.receive].amax(0).tolist()
         else:
-            summary = checks.encode(self.key.digest, invalid=local is None)
+            summary = checks.encode(expected, invalid=local is None)
             if indicator is not None:
                 summary[checks.NONFINITE_SLOT] = indicator.item()
-        return checks.decide(summary, self.key.digest, options.nonfinite, options.check_grads)
+        return checks.decide(summary, expected, options.nonfinite, options.check_grads)
 
     def _commit(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
         """Momentum buffers and decoupled weight decay: the state changes of the Muon step."""

@@ -93,7 +93,7 @@ def test_gradient_problems_raise_the_same_error_on_every_rank(comm_dtype):
         assert r["nan_ignore"] is None and r["nan_spread"]
         assert r["options_alike"] is None
         kind, message = r["options_differ"]
-        assert kind == "ValueError" and "options" in message
+        assert kind == "ValueError" and "ranks disagree on param group 1's eps" in message
     assert results[0]["none_on_one_rank"] == results[1]["none_on_one_rank"]
     assert results[0]["nan_raise"] == results[1]["nan_raise"]
 
@@ -216,3 +216,61 @@ def test_a_group_torch_rejects_leaves_the_optimizer_unchanged():
     before = v.detach().clone()
     opt.step()
     assert not torch.equal(v.detach(), before)
+
+
+def divergent_inputs(rank, world_size, case):
+    """Inputs that differ on one rank only: every rank must raise the same error, nothing stepped."""
+    from instruments import CollectiveCalls
+
+    torch.manual_seed(0)
+    weights = {f"w{i}": nn.Parameter(torch.randn(8, 8)) for i in range(4)}
+    bias = nn.Parameter(torch.zeros(8))
+    named = list(weights.items())
+    if case == "order" and rank == 1:
+        named = named[::-1]  # same shapes, another order: would exchange rows of other matrices
+    opt = DMuonFSDP([{"params": named, "lr": 0.02}, {"params": [("bias", bias)], "use_muon": False}])
+    for p in [*weights.values(), bias]:
+        p.grad = torch.ones_like(p)
+    out = {}
+    if case in ("lr", "momentum", "betas"):
+        opt.step()  # the program is built; then the per-step options change
+        if case == "lr":
+            for group in opt.param_groups:  # alike on every rank (a scheduler): no rebuild
+                group["lr"] *= 0.5
+            plan = opt.plan
+            with CollectiveCalls() as calls:
+                opt.step()
+            out["alike"] = (opt.plan is plan, calls.calls["all_reduce"])
+            opt.param_groups[0]["lr"] = 0.02 if rank == 0 else 0.05
+        elif case == "momentum":
+            opt.param_groups[0]["momentum"] = 0.9 + 0.05 * rank
+        else:
+            opt.param_groups[1]["betas"] = (0.9, 0.95 if rank == 0 else 0.99)
+    if case == "dtype" and rank == 1:
+        weights["w2"].grad_dtype = None
+        weights["w2"].grad = torch.ones(8, 8, dtype=torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in weights.items()}
+    out["error"] = _outcome(opt.step)
+    out["unchanged"] = all(torch.equal(p, before[n]) for n, p in weights.items())
+    return out
+
+
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("order", "Muon matrix 0 is w0 (8x8) on rank 0, w3 (8x8) on rank 1"),
+        ("lr", "ranks disagree on param group 0's lr (0.02 on rank 0, 0.05 on rank 1)"),
+        ("momentum", "ranks disagree on param group 0's momentum (0.9 on rank 0, 0.95 on rank 1)"),
+        ("betas", "ranks disagree on param group 1's betas[1] (0.95 on rank 0, 0.99 on rank 1)"),
+        ("dtype", "rank 1: w2: its gradient's dtype is not the parameter's"),
+    ],
+)
+def test_rank_divergent_inputs_raise_the_same_error_everywhere(case, expected):
+    results = run_ranks(divergent_inputs, 2, case, timeout=120, pg_timeout=30)
+    for r in results:
+        kind, message = r["error"]
+        assert kind == "ValueError" and expected in message, message
+        assert r["unchanged"], "nothing may be committed before the verdict"
+        if case == "lr":
+            assert r["alike"] == (True, 0), "options changed alike on every rank: no rebuild, no agreement"
+    assert results[0]["error"] == results[1]["error"]

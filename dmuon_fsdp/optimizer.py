@@ -73,6 +73,7 @@ class DMuonFSDP(Optimizer):
         num_heads: int | None = None,
         route: nn.Module | None = None,
     ):
+        validation.check_lr(lr)  # before torch looks at params, as torch's own optimizers do
         self._options = Options(
             ns_dtype, comm_dtype, bucket_bytes, overlap, time_phases, nonfinite, check_grads
         )

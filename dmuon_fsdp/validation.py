@@ -78,7 +78,14 @@ class Option:
         optimizer._options = dataclasses.replace(optimizer._options, **{self.name: value})
 
 
+def check_lr(lr: Any) -> None:
+    """An lr that is a tensor must hold one element (torch's rule)."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+
+
 def _non_negative(group: dict[str, Any], *keys: str) -> None:
+    check_lr(group["lr"])
     for key in keys:
         value = float(group[key])
         if not (math.isfinite(value) and value >= 0.0):
@@ -116,10 +123,12 @@ def split_group(
             raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
         if not isinstance(item, tuple):
             name = f"{name} (shape {tuple(p.shape)})"
-        if p in known or p in names:
-            raise ValueError(
-                f"{name} is passed to the optimizer twice (first as {known.get(p, names.get(p))})"
+        if p in known or p in names:  # torch's wording for the case, then which parameter
+            where = (
+                "some parameters appear in more than one parameter group" if p in known else "a param group"
             )
+            first = known.get(p, names.get(p))
+            raise ValueError(f"{where}: {name} is passed to the optimizer twice (first as {first})")
         if route is not None and p not in route:
             raise ValueError(f"{name} is not a parameter of the model given as route")
         if route is not None and not isinstance(item, tuple):
@@ -153,7 +162,10 @@ def check_muon_group(group: dict[str, Any]) -> None:
     if not 0.0 <= group["momentum"] < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")
+        fn = group["adjust_lr_fn"]
+        raise ValueError(
+            f"Adjust learning rate function {fn} is not supported (adjust_lr_fn: one of {ADJUST_LR_FNS})"
+        )
     resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
     if group["ns_algorithm"] not in NS_ALGORITHMS:
         raise ValueError(f"ns_algorithm must be one of {NS_ALGORITHMS}, got {group['ns_algorithm']!r}")

@@ -29,7 +29,6 @@ from dmuon_fsdp import checks, comm, elementwise
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, Piece, describe_params, local_shard
 from dmuon_fsdp.newton_schulz import (
-    Coefficients,
     Workspace,
     ns_segments,
     resolve_coefficients,
@@ -44,6 +43,7 @@ from dmuon_fsdp.program import (
     Entry,
     Flags,
     MuonLists,
+    NSForm,
     NSInputs,
     StepProgram,
     Updates,
@@ -114,7 +114,7 @@ class ProgramCache:
             if checks.stale_layouts(params, state):
                 return Ready(program, bound=False)
             self._program = None
-            self._program = _bind(program.plan, program.schedule, key, groups, state, settings)
+            self._program = _bind(program.plan, program.forms, program.schedule, key, groups, state, settings)
         self._rebind = False
         return Ready(self._program, bound=True)
 
@@ -136,23 +136,15 @@ def _indexed(groups: Sequence[dict[str, Any]]) -> list[tuple[int, Tensor]]:
     return [(g, p) for g, group in enumerate(groups) for p in group["params"]]
 
 
-@dataclass(frozen=True)
-class _Form:
-    """How one matrix is orthogonalized: its group's NS settings and the form for its shape."""
-
-    coefficients: tuple[Coefficients, ...]
-    eps: float
-    segments: tuple[int, ...]
-
-
 def _forms(
     matrices: Sequence[MatrixLayout], groups: Sequence[dict[str, Any]], dtype: torch.dtype
-) -> list[_Form]:
+) -> list[NSForm]:
+    """Each matrix's form, from the options of its parameter's group (``groups[j]``)."""
     out = []
     for m, group in zip(matrices, groups):
         coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         segments = ns_segments(group["ns_algorithm"], coefficients, dtype, m.rows, m.cols)
-        out.append(_Form(coefficients, float(group["eps"]), segments))
+        out.append(NSForm(coefficients, float(group["eps"]), segments))
     return out
 
 
@@ -188,20 +180,22 @@ def build_program(
     if trouble:
         explain(groups, state, names, settings, shared)
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, FLAG_ELEMENTS if key.flags else 0)
-    return _bind(plan, schedule, key, groups, state, settings)
+    return _bind(plan, forms, schedule, key, groups, state, settings)
 
 
 def _bind(
     plan: Plan,
+    forms: list[NSForm],
     schedule: RankSchedule,
     key: StepKey,
     groups: list[dict[str, Any]],
     state: Any,
     settings: Settings,
 ) -> StepProgram:
-    """Allocate every buffer and make every view a step of ``plan`` needs on this rank."""
+    """Allocate every buffer and make every view a step of ``plan`` needs on this rank
+    (``forms``: each matrix's NS form, as ``build_program`` worked it out)."""
     entries = [Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(_indexed(groups), key.has_grad)) if has]
-    binder = _Binder(plan, schedule, entries, groups, settings)
+    binder = _Binder(plan, forms, schedule, entries, groups, settings)
     buckets = tuple(binder.bucket(bucket) for bucket in schedule.buckets)
     muon, spread = binder.momentum(state)
     flags, wire = None, schedule.buckets[0].to_owners
@@ -218,6 +212,7 @@ def _bind(
     return StepProgram(
         key=key,
         plan=plan,
+        forms=tuple(forms),
         schedule=schedule,
         entries=binder.entries,
         storage=tuple(t.data_ptr() for t in binder.locals),
@@ -298,17 +293,16 @@ class _Binder:
     def __init__(
         self,
         plan: Plan,
+        forms: list[NSForm],
         schedule: RankSchedule,
         entries: list[Entry],
         groups: list[dict[str, Any]],
         settings: Settings,
     ):
-        self.plan, self.groups, self.settings = plan, groups, settings
+        self.plan, self.forms, self.groups, self.settings = plan, forms, groups, settings
         self.entries = tuple(entries)
         self.locals = [local_shard(e.param) for e in self.entries]
         self.muon = [i for i, e in enumerate(self.entries) if groups[e.group]["use_muon"]]
-        matrix_groups = [groups[self.entries[self.entry_of(j)].group] for j in range(len(plan.matrices))]
-        self.forms = _forms(plan.matrices, matrix_groups, settings.ns_dtype)
         self.staged = settings.comm_dtype != settings.ns_dtype
         self.feeds: list[tuple[Tensor, Transfer]] = []  # (destination, this rank's piece) to fill
         self.merged: dict[tuple[int, float], Updates] = {}
@@ -335,9 +329,9 @@ class _Binder:
         m = self.plan.matrices[j]
         return group, elementwise.adjusted_lr(1.0, self.groups[group]["adjust_lr_fn"], m.rows, m.cols)
 
-    def members(self, owned: Sequence[int]) -> dict[tuple[int, int, _Form], list[int]]:
+    def members(self, owned: Sequence[int]) -> dict[tuple[int, int, NSForm], list[int]]:
         """Owned matrices by (short side, long side, NS form): the batches of one bucket."""
-        members: dict[tuple[int, int, _Form], list[int]] = defaultdict(list)
+        members: dict[tuple[int, int, NSForm], list[int]] = defaultdict(list)
         for j in owned:
             m = self.plan.matrices[j]
             members[(min(m.rows, m.cols), max(m.rows, m.cols), self.forms[j])].append(j)

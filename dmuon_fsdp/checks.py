@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import math
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NoReturn
@@ -102,27 +102,24 @@ class StepKey:
         return zlib.crc32(repr((self.has_grad, self.options, self.flags)).encode())
 
 
-def hyper_numbers(groups: Sequence[dict[str, Any]]) -> list[float]:
-    """Every group's per-step options (``HYPER``) as numbers, in group order."""
-    numbers = []
-    for group in groups:
+def _hyper(groups: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str, Any]]:
+    """(group index, option, value) of every group's per-step options (``HYPER``), betas split."""
+    for g, group in enumerate(groups):
         for key in HYPER[group["use_muon"]]:
-            value = group[key]
             if key == "betas":
-                numbers.extend(float(v) for v in value)
+                yield from ((g, f"{key}[{i}]", beta) for i, beta in enumerate(group[key]))
             else:
-                numbers.append(float(value))
-    return numbers
+                yield g, key, group[key]
+
+
+def hyper_numbers(groups: Sequence[dict[str, Any]]) -> list[float]:
+    """Every group's per-step options as numbers, in group order."""
+    return [float(value) for _, _, value in _hyper(groups)]
 
 
 def hyper_labels(groups: Sequence[dict[str, Any]]) -> list[str]:
     """What each of ``hyper_numbers`` is, for messages."""
-    labels = []
-    for g, group in enumerate(groups):
-        for key in HYPER[group["use_muon"]]:
-            parts = (f"{key}[0]", f"{key}[1]") if key == "betas" else (key,)
-            labels.extend(f"param group {g}'s {part}" for part in parts)
-    return labels
+    return [f"param group {g}'s {key}" for g, key, _ in _hyper(groups)]
 
 
 def hyper_digest(groups: Sequence[dict[str, Any]]) -> int:

@@ -63,6 +63,15 @@ class Copies:
 
 
 @dataclass(frozen=True)
+class NSForm:
+    """How one matrix is orthogonalized: its group's NS settings and the form for its shape."""
+
+    coefficients: tuple[Coefficients, ...]
+    eps: float
+    segments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Batch:
     """Matrices of one shape and NS settings (coefficients, eps, form), stacked (B, s, l) and
     orthogonalized in place."""
@@ -182,6 +191,7 @@ class StepProgram:
 
     key: StepKey
     plan: Plan
+    forms: tuple[NSForm, ...]  # each matrix's, kept for a rebind
     schedule: RankSchedule
     entries: tuple[Entry, ...]
     storage: tuple[int, ...]  # data_ptr of each entry's local shard when bound

@@ -1,4 +1,4 @@
-"""DMuonFSDP at scale, on paper: the planner alone, no processes. Three reports:
+"""DMuonFSDP at scale, on paper: the planner alone, no processes. Four reports:
 
 ``--report step`` (default): for real model shape tables and world sizes up to 1024, the NS load
 balance, the bytes each rank sends per step and a predicted optimizer-step time for DMuonFSDP,
@@ -29,15 +29,41 @@ per-replica (DMuonFSDP inside each replica group, NS repeated R times in the job
 owners, results returned inside the owner's shard group and then all-gathered across replicas);
 gather-all (every rank gathers every matrix in its shard group and runs all NS).
 
+``--report e2e``: a whole training step, forward + backward + optimizer, for AdamW, DMuonFSDP and
+DMuonFSDP(overlap_backward=True), per model and world size (default 8 64 256 1024). Per rank:
+- Backward = 4 x (matrix parameters) x --tokens-per-rank flops / (peak x --mfu), per layer in
+  proportion to its parameters, last layer first; forward = half of that. Embeddings, head and
+  attention-score flops are ignored (a shorter step: the optimizer's share is overstated, and
+  there is less backward to hide it behind); every parameter counts as active (MoE: overstated).
+- AdamW = forward + backward + element-wise; DMuonFSDP = that + NS + exchange, as in ``step``.
+- Overlap: the plan cut in backward order (``build_plan(..., backward_order=True)``). Ranks run
+  backward layer by layer in step (FSDP's per-layer collectives); a bucket is ready when backward
+  is done with every layer holding its matrices, the last bucket only at the end of backward.
+  One link, first come first served, carries every bucket's to-owners and return all-to-all,
+  each as long as the busiest rank's larger of sent and received bytes (an owner receives its
+  matrices whole, so a bucket of few matrices is paced by their owners); an owner runs its NS
+  of a bucket once the bucket has arrived, and the return starts when its last owner is done.
+  All element-wise work (momentum, AdamW, apply) comes after the last return; exposed optimizer
+  = that end minus the end of backward. Two NS models, both printed: "NS shares GPU" (the honest
+  default: an owner runs its arrived NS at the next layer boundary and every rank then waits for
+  the slowest, so each layer is delayed by the largest NS any rank runs before it) and "NS on
+  spare compute" (NS never delays backward: the most overlapping can buy).
+- Not modelled: FSDP's own all-gathers and reduce-scatters, neither on compute (folded into
+  --mfu) nor on the link; the "FSDP link load" column is their bf16 bytes over the link time of
+  backward: near 100% at the defaults, leaving no room for DMuonFSDP's exchanges beside them.
+
     python -m benchmarks.simulate_scale --gpu h200
     python -m benchmarks.simulate_scale --report balance --world-sizes 8 16 64
     python -m benchmarks.simulate_scale --report hsdp --meshes 2x4 4x8 8x8 --models gpt2-124m llama3-8b
+    python -m benchmarks.simulate_scale --report e2e --tokens-per-rank 8192 --mfu 0.4 --models llama3-70b
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -61,13 +87,14 @@ def llama_matrices(layers: int, dim: int, kv_dim: int, ffn: int, experts: int = 
     return (attention + [(ffn, dim), (ffn, dim), (dim, ffn)] * max(experts, 1)) * layers
 
 
-MODELS = {
-    "gpt2-124m": llama_matrices(12, 768, 768, 3072),
-    "llama-1b": llama_matrices(16, 2048, 512, 8192),
-    "llama3-8b": llama_matrices(32, 4096, 1024, 14336),
-    "llama3-70b": llama_matrices(80, 8192, 1024, 28672),
-    "mixtral-8x7b": llama_matrices(32, 4096, 1024, 14336, experts=8),
+LLAMA_CONFIGS = {  # layers, dim, kv_dim, ffn, experts
+    "gpt2-124m": (12, 768, 768, 3072, 0),
+    "llama-1b": (16, 2048, 512, 8192, 0),
+    "llama3-8b": (32, 4096, 1024, 14336, 0),
+    "llama3-70b": (80, 8192, 1024, 28672, 0),
+    "mixtral-8x7b": (32, 4096, 1024, 14336, 8),
 }
+MODELS = {name: llama_matrices(*config) for name, config in LLAMA_CONFIGS.items()}
 GPUS = {"h100": {"tflops": 989.0, "hbm_gbs": 3350.0}, "h200": {"tflops": 989.0, "hbm_gbs": 4800.0}}
 STATE_BYTES_PER_PARAM = 28
 WIRE_BYTES = 2  # bf16
@@ -99,12 +126,17 @@ def plan_for(
     )
 
 
+def elementwise_seconds(params: int, world: int, args: argparse.Namespace) -> float:
+    """Optimizer-state traffic of a rank's 1/W share of ``params`` through HBM."""
+    return params / world * STATE_BYTES_PER_PARAM / (args.hbm_gbs * 1e9)
+
+
 def simulate(shapes: list[tuple[int, int]], world: int, args: argparse.Namespace) -> dict:
     """A DMuonFSDP step time per --ns-algorithms entry; balance and bytes of the first one's plan."""
     rate = args.tflops * 1e12 * args.ns_efficiency
     link = args.link_gbs * 1e9
     params = sum(r * c for r, c in shapes)
-    elementwise = params / world * STATE_BYTES_PER_PARAM / (args.hbm_gbs * 1e9)
+    elementwise = elementwise_seconds(params, world, args)
     standard = ns_costs(shapes, "standard", args.ns_steps)
     gather = elementwise + sum(standard) / rate + params * WIRE_BYTES * (world - 1) / world / link
     row: dict = {
@@ -210,9 +242,162 @@ def hsdp(shapes: list[tuple[int, int]], replicas: int, shards: int) -> dict:
     }
 
 
-def step_report(args: argparse.Namespace) -> dict:
+def bucket_costs(plan: Plan, args: argparse.Namespace) -> tuple[list[float], list[dict[int, float]]]:
+    """Per bucket of ``plan``: the seconds of one of its all-to-alls (the busiest rank's larger of
+    sent and received bytes; the return exchange mirrors the forward one, so both take as long)
+    and {owner: seconds of its NS of the bucket's matrices}."""
+    rate = args.tflops * 1e12 * args.ns_efficiency
+    exchange, ns = [], []
+    for bucket in plan.buckets:
+        sent: dict[int, int] = defaultdict(int)
+        received: dict[int, int] = defaultdict(int)
+        owned: dict[int, float] = defaultdict(float)
+        for j in bucket.matrices:
+            owner, pieces = plan.owners[j], plan.matrices[j].pieces
+            owned[owner] += plan.costs[j] / rate
+            for rank in plan.senders[j] - {owner}:
+                sent[rank] += pieces[rank].numel
+                received[owner] += pieces[rank].numel
+        busiest = max([*sent.values(), *received.values(), 0])
+        exchange.append(busiest * WIRE_BYTES / (args.link_gbs * 1e9))
+        ns.append(dict(owned))
+    return exchange, ns
+
+
+def overlap_timeline(
+    layer_seconds: list[float],
+    land_layer: list[int],
+    exchange: list[float],
+    ns: list[dict[int, float]],
+    ns_shares_gpu: bool,
+) -> tuple[float, float]:
+    """(end of backward, end of the last return exchange) of the overlap_backward bucket pipeline,
+    seconds from the start of backward.
+
+    Backward runs ``layer_seconds`` from the last layer to the first, in step on every rank (FSDP's
+    per-layer collectives). Bucket k (``exchange[k]``, ``ns[k]`` from ``bucket_costs``) is ready
+    when layer ``land_layer[k]`` is done, the last bucket only at the end of backward. One link,
+    first come first served, carries the to-owners and return all-to-alls; an owner runs its NS
+    of a bucket once the bucket's to-owners exchange has arrived, in arrival order, and the
+    bucket's return starts when its last owner is done. ``ns_shares_gpu``: during backward an
+    owner runs its arrived NS at the next layer boundary and the next layer starts on all ranks
+    once the slowest is done (NS delays backward); otherwise NS runs on spare compute at once.
+    """
+    link: list[tuple[float, int, bool]] = []  # heap: (ready, bucket, is_return)
+    link_free = last_return = floor = 0.0
+    ns_free: dict[int, float] = defaultdict(float)
+    waiting: dict[int, list[tuple[float, int]]] = defaultdict(list)  # owner: (arrived, bucket)
+    owners_left = [len(owned) for owned in ns]
+    return_ready = [0.0] * len(ns)
+    immediate = not ns_shares_gpu
+
+    def run_ns(k: int, owner: int, arrived: float) -> None:
+        ns_free[owner] = max(ns_free[owner], arrived, floor) + ns[k][owner]
+        return_ready[k] = max(return_ready[k], ns_free[owner])
+        owners_left[k] -= 1
+        if not owners_left[k]:
+            heapq.heappush(link, (return_ready[k], k, True))
+
+    def advance(until: float) -> None:
+        """Run every link transfer that starts by ``until`` (none ready later is known yet)."""
+        nonlocal link_free, last_return
+        while link and max(link_free, link[0][0]) <= until:
+            ready, k, is_return = heapq.heappop(link)
+            link_free = max(link_free, ready) + exchange[k]
+            if is_return:
+                last_return = max(last_return, link_free)
+                continue
+            for owner in ns[k]:
+                if immediate:
+                    run_ns(k, owner, link_free)
+                else:
+                    waiting[owner].append((link_free, k))
+
+    landing: dict[int, list[int]] = defaultdict(list)
+    for k, layer in enumerate(land_layer[:-1]):
+        landing[layer].append(k)
+    clock = 0.0
+    for layer in reversed(range(len(layer_seconds))):
+        advance(clock)
+        delay = 0.0
+        for owner, queue in waiting.items():
+            arrived = [k for t, k in queue if t <= clock]
+            if arrived:
+                queue[:] = [(t, k) for t, k in queue if t > clock]
+                for k in arrived:
+                    run_ns(k, owner, clock)
+                delay = max(delay, ns_free[owner] - clock)
+        clock += delay + layer_seconds[layer]
+        for k in landing[layer]:
+            heapq.heappush(link, (clock, k, False))
+    heapq.heappush(link, (clock, len(ns) - 1, False))
+    immediate, floor = True, clock if ns_shares_gpu else 0.0
+    for owner, queue in waiting.items():
+        for t, k in sorted(queue):
+            run_ns(k, owner, t)
+    advance(float("inf"))
+    return clock, last_return
+
+
+def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
+    """Predicted forward + backward + optimizer step (ms) of AdamW, DMuonFSDP and DMuonFSDP with
+    overlap_backward (NS sharing the GPU with backward, and on spare compute), for ``model``."""
+    shapes, layers = MODELS[model], LLAMA_CONFIGS[model][0]
+    per_layer = len(shapes) // layers
+    layer_params = [sum(r * c for r, c in shapes[i * per_layer : (i + 1) * per_layer]) for i in range(layers)]
+    params = sum(layer_params)
+    layer_seconds = [4 * n * args.tokens_per_rank / (args.tflops * 1e12 * args.mfu) for n in layer_params]
+    backward, forward = sum(layer_seconds), sum(layer_seconds) / 2
+    elementwise = elementwise_seconds(params, world, args)
+    algorithm = args.ns_algorithms[0]
+    plan = build_plan(
+        row_sharded(shapes, world),
+        ns_costs(shapes, algorithm, args.ns_steps),
+        world,
+        args.bucket_mib * 2**20,
+        WIRE_BYTES,
+        backward_order=True,
+    )
+    sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
+    optimizer = elementwise + max(plan.loads()) / (args.tflops * 1e12 * args.ns_efficiency)
+    optimizer += sent / (args.link_gbs * 1e9)
+    exchange, ns = bucket_costs(plan, args)
+    land_layer = [min(j // per_layer for j in b.matrices) for b in plan.buckets]
+    adamw = forward + backward + elementwise
+    last_bucket = sum(plan.matrices[j].numel for j in plan.buckets[-1].matrices)
+    row = {
+        "world": world,
+        "params": params,
+        "algorithm": algorithm,
+        "buckets": len(plan.buckets),
+        "last_bucket_mib": last_bucket * WIRE_BYTES / 2**20,
+        "forward_ms": forward * 1e3,
+        "backward_ms": backward * 1e3,
+        "fsdp_link_load": (world - 1) / world * params * 2 * WIRE_BYTES / (args.link_gbs * 1e9) / backward,
+        "adamw_ms": adamw * 1e3,
+        "dmuon_ms": (forward + backward + optimizer) * 1e3,
+        "dmuon_over_adamw": (optimizer - elementwise) / adamw,
+    }
+    for name, shares in (("ns_shares_gpu", True), ("ns_free", False)):
+        backward_end, last_return = overlap_timeline(layer_seconds, land_layer, exchange, ns, shares)
+        step_end = max(backward_end, last_return) + elementwise
+        row[f"overlap_{name}"] = {
+            "backward_delay_ms": (backward_end - backward) * 1e3,
+            "exposed_ms": (step_end - backward_end) * 1e3,
+            "step_ms": (forward + step_end) * 1e3,
+            "over_adamw": (forward + step_end) / adamw - 1,
+        }
+    return row
+
+
+def resolve_gpu(args: argparse.Namespace) -> None:
+    """Fill --tflops and --hbm-gbs from --gpu where not given."""
     args.tflops = args.tflops or GPUS[args.gpu]["tflops"]
     args.hbm_gbs = args.hbm_gbs or GPUS[args.gpu]["hbm_gbs"]
+
+
+def step_report(args: argparse.Namespace) -> dict:
+    resolve_gpu(args)
     models = args.models or ["llama-1b", "llama3-8b", "llama3-70b", "mixtral-8x7b"]
     results = {m: [simulate(MODELS[m], w, args) for w in args.world_sizes] for m in models}
     title = (
@@ -290,7 +475,60 @@ def hsdp_report(args: argparse.Namespace) -> dict:
     return results
 
 
-REPORTS = {"step": step_report, "balance": balance_report, "hsdp": hsdp_report}
+def e2e_report(args: argparse.Namespace) -> dict:
+    resolve_gpu(args)
+    models = args.models or ["llama-1b", "llama3-8b", "llama3-70b"]
+    results = {m: [end_to_end(m, w, args) for w in args.world_sizes] for m in models}
+    print(
+        f"## Predicted training step (forward + backward + optimizer), {args.gpu}: {args.tflops:g} TFLOP/s, "
+        f"MFU {args.mfu:g}, NS at {args.ns_efficiency:g} of peak ({args.ns_algorithms[0]}), "
+        f"{args.tokens_per_rank} tokens per rank, {args.link_gbs:g} GB/s link, {args.hbm_gbs:g} GB/s HBM, "
+        f"{args.bucket_mib} MiB buckets\n"
+    )
+    header = [
+        "model",
+        "W",
+        "fwd + bwd ms",
+        "FSDP link load in bwd",
+        "AdamW ms",
+        "DMuonFSDP ms",
+        "vs AdamW",
+        "overlap, NS shares GPU: ms",
+        "vs AdamW",
+        "bwd delay ms",
+        "exposed ms",
+        "overlap, NS on spare compute: ms",
+        "vs AdamW",
+        "exposed ms",
+        "last bucket MiB",
+    ]
+    print("| " + " | ".join(header) + " |")
+    print("|---|" + "---:|" * (len(header) - 1))
+    for model, rows in results.items():
+        for r in rows:
+            shared, free = r["overlap_ns_shares_gpu"], r["overlap_ns_free"]
+            cells = [
+                model,
+                r["world"],
+                f"{r['forward_ms'] + r['backward_ms']:.0f}",
+                f"{r['fsdp_link_load']:.0%}",
+                f"{r['adamw_ms']:.1f}",
+                f"{r['dmuon_ms']:.1f}",
+                f"{r['dmuon_over_adamw']:+.2%}",
+                f"{shared['step_ms']:.1f}",
+                f"{shared['over_adamw']:+.2%}",
+                f"{shared['backward_delay_ms']:.1f}",
+                f"{shared['exposed_ms']:.1f}",
+                f"{free['step_ms']:.1f}",
+                f"{free['over_adamw']:+.2%}",
+                f"{free['exposed_ms']:.1f}",
+                f"{r['last_bucket_mib']:.0f}",
+            ]
+            print("| " + " | ".join(map(str, cells)) + " |")
+    return results
+
+
+REPORTS = {"step": step_report, "balance": balance_report, "hsdp": hsdp_report, "e2e": e2e_report}
 
 
 def main() -> None:
@@ -316,11 +554,22 @@ def main() -> None:
         help="DMuonFSDP's ns_algorithm, one predicted step per entry",
     )
     parser.add_argument("--bucket-mib", type=int, default=128)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument(
+        "--world-sizes", type=int, nargs="+", default=None, help="default: 8 16 ... 1024 (e2e: 8 64 256 1024)"
+    )
+    parser.add_argument(
+        "--tokens-per-rank", type=int, default=8192, help="e2e: tokens per rank per step (one backward)"
+    )
+    parser.add_argument(
+        "--mfu", type=float, default=0.4, help="e2e: achieved fraction of peak in forward and backward"
+    )
     parser.add_argument("--meshes", nargs="+", default=["2x4", "4x8", "8x8"], help="HSDP replicas x shards")
     parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS), help="default: per report")
     parser.add_argument("--out", default=None, help="JSON (default: runs/bench/simulate_<report>.json)")
     args = parser.parse_args()
+    args.world_sizes = args.world_sizes or (
+        [8, 64, 256, 1024] if args.report == "e2e" else [8, 16, 32, 64, 128, 256, 512, 1024]
+    )
     out = Path(args.out or f"runs/bench/simulate_{args.report}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     args.out = str(out)

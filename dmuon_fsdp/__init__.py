@@ -4,6 +4,7 @@ fully_shard(model)
 opt = DMuonFSDP(model.parameters(), lr=0.02)      # or DMuonFSDP(param_groups(model))
 """
 
+from dmuon_fsdp.backward import clip_grad_norm_
 from dmuon_fsdp.checks import GradientMismatchError, NonFiniteGradientError
 from dmuon_fsdp.elementwise import adjusted_lr
 from dmuon_fsdp.layouts import chunk_row_counts
@@ -27,6 +28,7 @@ __all__ = [
     "adjusted_lr",
     "build_plan",
     "chunk_row_counts",
+    "clip_grad_norm_",
     "newton_schulz",
     "param_groups",
 ]

@@ -45,6 +45,7 @@ from dmuon_fsdp.program import (
     MuonLists,
     NSForm,
     NSInputs,
+    Stage,
     StepProgram,
     Updates,
 )
@@ -62,6 +63,7 @@ class Settings:
     bucket_bytes: int
     check_grads: bool
     nonfinite: str
+    in_backward: bool  # steps start in backward (``dmuon_fsdp.backward``): its plan, groups, stages
 
 
 @dataclass(frozen=True)
@@ -158,12 +160,18 @@ def build_program(
     layouts, param_of = describe_params(described, comm.default_world_size(), settings.site.mesh)
     forms = _forms(layouts, [described[i][2] for i in param_of], settings.ns_dtype)
     costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms)]
-    exchange = settings.site.group
+    site = settings.site.group
     plan = build_plan(
-        layouts, costs, len(exchange.peers), settings.bucket_bytes, settings.comm_dtype.itemsize, param_of
+        layouts,
+        costs,
+        len(site.peers),
+        settings.bucket_bytes,
+        settings.comm_dtype.itemsize,
+        param_of,
+        backward_order=settings.in_backward,
     )
     trouble = bool(checks.stale_layouts(_params(groups), state))
-    shared = key.flags and exchange.group is not None
+    shared = key.flags and site.group is not None
     if shared:
         identities = [
             (f"{m.name} ({m.rows}x{m.cols})", m.pieces, m.replicas, cost) for m, cost in zip(layouts, costs)
@@ -173,14 +181,25 @@ def build_program(
             key.digest,
             plan.signature(),
             identities,
-            exchange.group,
+            site.group,
             settings.device,
             settings.check_grads,
         )
     if trouble:
         explain(groups, state, names, settings, shared)
-    schedule = rank_schedule(plan, exchange.rank, exchange.peers, FLAG_ELEMENTS if key.flags else 0)
+    exchange = _groups(settings)[0]  # made after the agreement: a step in backward has groups of its own
+    # A step begun in backward always carries flags: every rank must agree on redoing it.
+    flags = FLAG_ELEMENTS if key.flags or settings.in_backward else 0
+    schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, flags_last=settings.in_backward)
     return _bind(plan, forms, schedule, key, groups, state, settings)
+
+
+def _groups(settings: Settings) -> tuple[comm.ExchangeGroup, comm.ExchangeGroup]:
+    """The groups of the exchanges to and from the owners (the same one for a plain step)."""
+    if settings.in_backward:
+        backward = settings.site.backward
+        return backward.to_owners, backward.from_owners
+    return settings.site.group, settings.site.group
 
 
 def _bind(
@@ -196,11 +215,12 @@ def _bind(
     (``forms``: each matrix's NS form, as ``build_program`` worked it out)."""
     entries = [Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(_indexed(groups), key.has_grad)) if has]
     binder = _Binder(plan, forms, schedule, entries, groups, settings)
-    buckets = tuple(binder.bucket(bucket) for bucket in schedule.buckets)
-    muon, spread = binder.momentum(state)
-    flags, wire = None, schedule.buckets[0].to_owners
-    if wire is not None and wire.flags:  # the first exchange carries the check flags
-        flags = Flags.bind(buckets[0].to_owners, key.digest ^ checks.hyper_digest(groups))
+    buckets = tuple(binder.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
+    muon, stages = binder.momentum(state)
+    flag_bucket = len(buckets) - 1 if settings.in_backward else 0
+    flags, wire = None, schedule.buckets[flag_bucket].to_owners
+    if wire is not None and wire.flags:
+        flags = Flags.bind(buckets[flag_bucket].to_owners, key.digest ^ checks.hyper_digest(groups))
     size = settings.comm_dtype.itemsize
     counts = {
         "ns_flops": sum(plan.costs[j] for bucket in schedule.buckets for j in bucket.owned),
@@ -223,9 +243,11 @@ def _bind(
         one=torch.ones((), device=settings.device),
         muon=muon,
         adamw=binder.adamw(state),
-        spread=spread,
+        stages=stages,
         buckets=buckets,
         flags=flags,
+        flag_bucket=flag_bucket,
+        in_backward=settings.in_backward,
         all_updates=tuple(binder.merged.values()),
         counts=counts,
     )
@@ -265,7 +287,7 @@ class _Wired:
     received: list[tuple[Transfer, Tensor]]
 
 
-def _wired(wire: Wire | None, settings: Settings) -> _Wired:
+def _wired(wire: Wire | None, settings: Settings, group: Any) -> _Wired:
     if wire is None:
         return _Wired(None, [], [])
     buffers = []
@@ -276,7 +298,6 @@ def _wired(wire: Wire | None, settings: Settings) -> _Wired:
             (buffer, [(t, v) for segment, vs in zip(segments, views) for t, v in zip(segment, vs)])
         )
     (send, sent), (receive, received) = buffers
-    group = settings.site.group.group
     return _Wired(comm.Exchange(send, receive, wire.send_counts, wire.receive_counts, group), sent, received)
 
 
@@ -304,7 +325,8 @@ class _Binder:
         self.locals = [local_shard(e.param) for e in self.entries]
         self.muon = [i for i, e in enumerate(self.entries) if groups[e.group]["use_muon"]]
         self.staged = settings.comm_dtype != settings.ns_dtype
-        self.feeds: list[tuple[Tensor, Transfer]] = []  # (destination, this rank's piece) to fill
+        # (destination, this rank's piece, its bucket) to fill with NS inputs
+        self.feeds: list[tuple[Tensor, Transfer, int]] = []
         self.merged: dict[tuple[int, float], Updates] = {}
         # One NS workspace for every batch of every bucket: they are orthogonalized one at a time.
         sizes = [
@@ -350,9 +372,11 @@ class _Binder:
                 matrix_views[j] = stack[b].mT if tall else stack[b]
         return tuple(batches), matrix_views
 
-    def bucket(self, bucket: BucketSchedule) -> BucketProgram:
-        """One bucket's exchanges, stacks, copies and updates."""
+    def bucket(self, k: int, bucket: BucketSchedule) -> BucketProgram:
+        """Bucket ``k``'s exchanges, stacks, copies and updates."""
         batches, matrix = self.batches(bucket.owned)
+        fed = len(self.feeds)
+        to_group, from_group = (g.group for g in _groups(self.settings))
 
         def region(t: Transfer) -> Tensor:
             p = t.piece
@@ -361,21 +385,22 @@ class _Binder:
         def staging(transfers: Sequence[Transfer]) -> list[Tensor]:
             return _staging(transfers, self.settings.comm_dtype, self.settings.device)
 
-        to_owners = _wired(bucket.to_owners, self.settings)
-        self.feeds += [(view, t) for t, view in to_owners.sent]
+        to_owners = _wired(bucket.to_owners, self.settings, to_group)
+        self.feeds += [(view, t, k) for t, view in to_owners.sent]
         assemble = Copies(
             [region(t) for t, _ in to_owners.received], [view for _, view in to_owners.received]
         )
         own = list(bucket.own_pieces)
         if self.staged:
             stage = staging(own)
-            self.feeds += list(zip(stage, own))
+            self.feeds += [(view, t, k) for view, t in zip(stage, own)]
             assemble.dst.extend(region(t) for t in own)
             assemble.src.extend(stage)
         else:
-            self.feeds += [(region(t), t) for t in own]
+            self.feeds += [(region(t), t, k) for t in own]
+        reads = tuple(sorted({self.entry_of(t.matrix) for _, t, _ in self.feeds[fed:]}))
 
-        from_owners = _wired(bucket.from_owners, self.settings)
+        from_owners = _wired(bucket.from_owners, self.settings, from_group)
         collect = Copies([view for _, view in from_owners.sent], [region(t) for t, _ in from_owners.sent])
         returned, own = list(from_owners.received), list(bucket.own_results)
         if self.staged:
@@ -395,44 +420,52 @@ class _Binder:
                 u.params.append(target)
                 u.directions.append(direction)
         return BucketProgram(
-            to_owners.exchange, assemble, batches, collect, from_owners.exchange, tuple(mine.values())
+            reads, to_owners.exchange, assemble, batches, collect, from_owners.exchange, tuple(mine.values())
         )
 
-    def momentum(self, state: Any) -> tuple[tuple[MuonLists, ...], Copies]:
-        """Per Muon group: where its NS inputs are written, straight or through scratch + spread."""
+    def momentum(self, state: Any) -> tuple[tuple[MuonLists, ...], tuple[Stage, ...]]:
+        """Per Muon group its tensors, and per stage where its NS inputs are written, straight
+        or through scratch + spread: one stage, or (``in_backward``) one per bucket, each
+        parameter's inputs made in the stage of its first bucket."""
         feeds: dict[int, list[tuple[Tensor, Transfer]]] = defaultdict(list)
-        for view, t in self.feeds:
-            feeds[self.entry_of(t.matrix)].append((view, t))
-        spread = Copies([], [])
+        first: dict[int, int] = {}
+        for view, t, k in self.feeds:
+            i = self.entry_of(t.matrix)
+            feeds[i].append((view, t))
+            first[i] = min(first.get(i, k), k) if self.settings.in_backward else 0
+        count = len(self.plan.buckets) if self.settings.in_backward else 1
+        stages = [([], Copies([], [])) for _ in range(count)]
         lists = []
         for group, members in self._by_group(muon=True).items():
-            straight, through = [], []
-            for i in members:
-                local = self.locals[i]
-                if not feeds[i]:
-                    continue  # nothing of it is orthogonalized here (another replica sends it)
-                direct = _in_shape(feeds[i][0][0], local) if len(feeds[i]) == 1 else None
-                if direct is not None:  # the one piece is the whole shard
-                    straight.append((i, direct))
-                    continue
-                scratch = torch.empty_like(local)
-                through.append((i, scratch))
-                spread.dst.extend(view for view, _ in feeds[i])
-                spread.src.extend(_piece(scratch, t.piece) for _, t in feeds[i])
             buffer = {i: local_shard(state[self.entries[i].param]["momentum_buffer"]) for i in members}
-            inputs = tuple(
-                NSInputs(
-                    tuple(i for i, _ in chosen),
-                    [buffer[i] for i, _ in chosen],
-                    [d for _, d in chosen],
-                    all(d.dtype == buffer[i].dtype for i, d in chosen),
+            for s, (inputs, spread) in enumerate(stages):
+                straight, through = [], []
+                for i in members:
+                    if i not in first or first[i] != s:
+                        continue  # nothing of it is orthogonalized here (another replica sends it)
+                    local = self.locals[i]
+                    direct = _in_shape(feeds[i][0][0], local) if len(feeds[i]) == 1 else None
+                    if direct is not None:  # the one piece is the whole shard
+                        straight.append((i, direct))
+                        continue
+                    scratch = torch.empty_like(local)
+                    through.append((i, scratch))
+                    spread.dst.extend(view for view, _ in feeds[i])
+                    spread.src.extend(_piece(scratch, t.piece) for _, t in feeds[i])
+                inputs.extend(
+                    NSInputs(
+                        group,
+                        tuple(i for i, _ in chosen),
+                        [buffer[i] for i, _ in chosen],
+                        [d for _, d in chosen],
+                        all(d.dtype == buffer[i].dtype for i, d in chosen),
+                    )
+                    for chosen in (straight, through)
+                    if chosen
                 )
-                for chosen in (straight, through)
-                if chosen
-            )
             params = [self.locals[i] for i in members]
-            lists.append(MuonLists(group, tuple(members), params, [buffer[i] for i in members], inputs))
-        return tuple(lists), spread
+            lists.append(MuonLists(group, tuple(members), params, [buffer[i] for i in members]))
+        return tuple(lists), tuple(Stage(tuple(inputs), spread) for inputs, spread in stages)
 
     def adamw(self, state: Any) -> tuple[AdamWLists, ...]:
         lists = []

@@ -5,12 +5,14 @@ structural options and whether check flags travel. Nothing here is a collective 
 the hot path: each rank ``encode``s its findings as ``FLAG_ELEMENTS`` numbers that ride in the
 step's first all-to-all, one per peer, and ``decide`` turns their element-wise maximum over the
 ranks into the same ``Verdict`` everywhere: go on, skip the step, rebuild (every rank's key
-changed the same way), or explain. Only to explain does ``explain`` share each rank's
-per-parameter findings (a second collective), so that every rank raises the same error naming
-parameters and ranks. When a program is built, ``agree_on_plan`` is the one ``all_reduce``.
+changed the same way), redo the step from the start (a step begun in backward whose gradients
+changed afterwards, see ``dmuon_fsdp.backward``), or explain. Only to explain does ``explain``
+share each rank's per-parameter findings (a second collective), so that every rank raises the
+same error naming parameters and ranks. When a program is built, ``agree_on_plan`` is the one ``all_reduce``.
 
-Flags, per rank: [invalid, non-finite, d0..d3, -d0..-d3]. Invalid is 1 for a sparse or misshapen
-gradient or a parameter whose layout changed; non-finite is 1 when a gradient holds inf or NaN;
+Flags, per rank: [invalid, non-finite, redo, d0..d3, -d0..-d3]. Invalid is 1 for a sparse or
+misshapen gradient or a parameter whose layout changed; non-finite is 1 when a gradient holds inf
+or NaN; redo is 1 when gradients changed after backward began working on them;
 d0..d3 are the bytes of the key's digest: the maxima of d and of -d agree only if every rank sent
 the same d. Integers up to 255 are exact in every float dtype the exchange may use.
 """
@@ -50,8 +52,8 @@ STRUCTURAL = (
 # checked through the flags too, without a rebuild when they change alike (a scheduler's lr).
 HYPER = {True: ("lr", "momentum", "nesterov", "weight_decay"), False: ("lr", "betas", "eps", "weight_decay")}
 
-FLAG_ELEMENTS = 10  # check elements per peer in the first exchange
-INVALID_SLOT, NONFINITE_SLOT = 0, 1  # then the digest's four bytes, then their negations
+FLAG_ELEMENTS = 11  # check elements per peer in the exchange that carries them
+INVALID_SLOT, NONFINITE_SLOT, REDO_SLOT = 0, 1, 2  # then the digest's four bytes, then their negations
 
 HAS_GRAD, NONFINITE, SPARSE, MISSHAPEN, STALE_LAYOUT, MISTYPED = 1, 2, 4, 8, 16, 32
 INVALID = {
@@ -77,6 +79,7 @@ class Verdict(enum.Enum):
     SKIP = "skip"  # a non-finite gradient somewhere, nonfinite="skip"
     REBUILD = "rebuild"  # every rank's key changed the same way: build the new program, run again
     EXPLAIN = "explain"  # something is wrong: every rank calls ``explain`` and raises
+    REDO = "redo"  # gradients changed after backward started the step: run it again from them
 
 
 def _frozen(value: Any) -> Any:
@@ -135,20 +138,22 @@ def build_now(built: StepKey | None, key: StepKey, agreeing: bool) -> bool:
     return built is None or (key != built and not agreeing)
 
 
-def encode(key_digest: int, invalid: bool) -> list[float]:
+def encode(key_digest: int, invalid: bool, redo: bool = False) -> list[float]:
     """This rank's flags, with 0 in the non-finite slot (``nonfinite_indicator`` fills it);
     ``key_digest`` is the step key's digest XOR ``hyper_digest``."""
     digits = [float((key_digest >> (8 * i)) & 255) for i in range(4)]
-    return [float(invalid), 0.0, *digits, *(-d for d in digits)]
+    return [float(invalid), 0.0, float(redo), *digits, *(-d for d in digits)]
 
 
 def decide(summary: Sequence[float], key_digest: int, nonfinite: str, check_grads: bool) -> Verdict:
     """The verdict from the element-wise maximum of every rank's flags (the same everywhere)."""
-    high, low = summary[2:6], [-v for v in summary[6:10]]
+    high, low = summary[3:7], [-v for v in summary[7:11]]
     if summary[INVALID_SLOT] > 0 or (check_grads and high != low):
         return Verdict.EXPLAIN
     if check_grads and sum(int(d) << (8 * i) for i, d in enumerate(high)) != key_digest:
         return Verdict.REBUILD
+    if summary[REDO_SLOT] > 0:  # the step's work began on gradients some rank has since seen change
+        return Verdict.REDO
     if summary[NONFINITE_SLOT] > 0:  # some rank has a non-finite gradient
         return {"raise": Verdict.EXPLAIN, "skip": Verdict.SKIP}.get(nonfinite, Verdict.GO)
     return Verdict.GO
@@ -236,7 +241,8 @@ def _explain_plans(
     differing = [j for j in range(len(digests)) if len({row[j] for row in table}) > 1]
     if not differing:
         raise ValueError(
-            f"{head} from the same Muon matrices: ns_dtype, comm_dtype or bucket_bytes differ; {ADVICE}"
+            f"{head} from the same Muon matrices: ns_dtype, comm_dtype, bucket_bytes or overlap_backward "
+            f"differ; {ADVICE}"
         )
     j = differing[0]
     labels = _text(identities[j][0], group, device)

@@ -39,6 +39,10 @@ class Handle:
             settle(self.buffers, self.references)
         return self.buffers[-1]
 
+    def done(self) -> bool:
+        """Whether ``wait`` would return at once (the collective completed)."""
+        return self.work is None or self.work.is_completed()
+
 
 _RELEASE_TIMEOUT_S = 10.0  # a worker that keeps the views longer is left to release them later
 
@@ -118,13 +122,44 @@ def exchange_group(mesh: DeviceMesh | None) -> ExchangeGroup:
     elif sorted(ranks) == list(range(dist.get_world_size())):
         group = dist.group.WORLD
     else:
-        key = (id(dist.group.WORLD), *sorted(ranks))  # a re-initialized job gets new groups
-        if key not in _SUBSET_GROUPS:
-            _SUBSET_GROUPS[key] = dist.new_group(sorted(ranks), use_local_synchronization=True)
-        group = _SUBSET_GROUPS[key]
+        group = _new_group(ranks, "subset")
+    return _numbered(group, ranks)
+
+
+def _new_group(ranks: list[int], purpose: str) -> dist.ProcessGroup:
+    """A group over ``ranks`` made by those ranks alone, once per job and ``purpose``."""
+    key = (id(dist.group.WORLD), purpose, *sorted(ranks))  # a re-initialized job gets new groups
+    if key not in _SUBSET_GROUPS:
+        _SUBSET_GROUPS[key] = dist.new_group(sorted(ranks), use_local_synchronization=True)
+    return _SUBSET_GROUPS[key]
+
+
+def _numbered(group: dist.ProcessGroup, ranks: list[int]) -> ExchangeGroup:
+    """``group`` with its ranks numbered by their index in ``ranks`` (mesh order)."""
     index = {r: i for i, r in enumerate(ranks)}
     peers = tuple(index[r] for r in dist.get_process_group_ranks(group))
     return ExchangeGroup(group, index[dist.get_rank()], peers)
+
+
+@dataclass(frozen=True)
+class BackwardGroups:
+    """Two groups of their own over the exchange's ranks, for a step started in backward: the
+    exchanges to owners run on one, those back on the other. Each sees its exchanges in plan
+    order on every rank, whenever a rank's hooks or its ``step`` start them, and none of them
+    is ordered among the model's own collectives (FSDP2's reduce-scatters)."""
+
+    to_owners: ExchangeGroup
+    from_owners: ExchangeGroup
+
+
+def backward_groups(mesh: DeviceMesh | None) -> BackwardGroups:
+    """The ``BackwardGroups`` over the ranks of ``mesh`` (None: the default group's)."""
+    if default_world_size() == 1 and mesh is None:
+        alone = ExchangeGroup(None, 0, (0,))
+        return BackwardGroups(alone, alone)
+    ranks = mesh.mesh.flatten().tolist() if mesh is not None else list(range(dist.get_world_size()))
+    to_owners, from_owners = (_numbered(_new_group(ranks, wire), ranks) for wire in ("to", "from"))
+    return BackwardGroups(to_owners, from_owners)
 
 
 class ExchangeSite:
@@ -135,12 +170,20 @@ class ExchangeSite:
     def __init__(self, mesh: DeviceMesh | None) -> None:
         self.mesh = mesh
         self._group: ExchangeGroup | None = None
+        self._backward: BackwardGroups | None = None
 
     @property
     def group(self) -> ExchangeGroup:
         if self._group is None:
             self._group = exchange_group(self.mesh)
         return self._group
+
+    @property
+    def backward(self) -> BackwardGroups:
+        """The groups of a step started in backward (``backward_groups``), made on first use."""
+        if self._backward is None:
+            self._backward = backward_groups(self.mesh)
+        return self._backward
 
     @property
     def rank(self) -> int:

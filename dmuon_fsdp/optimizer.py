@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dmuon_fsdp import build, comm, swaps, validation
+from dmuon_fsdp.backward import BackwardStart
 from dmuon_fsdp.build import ProgramCache
 from dmuon_fsdp.checks import StepKey, Verdict
 from dmuon_fsdp.elementwise import initial_state, restore_state
@@ -33,13 +36,17 @@ class DMuonFSDP(Optimizer):
 
     The optimizer-wide options are attributes: ``overlap``, ``time_phases``, ``nonfinite`` and
     ``check_grads`` may be set between steps (checked as at construction); ``ns_dtype``,
-    ``comm_dtype`` and ``bucket_bytes`` shape the step program's buffers and are fixed. After a
-    step, ``last_step_stats`` says what this rank did (``StepStats``).
+    ``comm_dtype``, ``bucket_bytes`` and ``overlap_backward`` shape the step program and are
+    fixed. After a step, ``last_step_stats`` says what this rank did (``StepStats``).
+
+    ``overlap_backward=True`` starts each bucket's exchange and Newton-Schulz from FSDP2's
+    gradient hooks during backward (``dmuon_fsdp.backward``), with the same results.
     """
 
     ns_dtype = Option(settable=False)
     comm_dtype = Option(settable=False)
     bucket_bytes = Option(settable=False)
+    overlap_backward = Option(settable=False)
     overlap = Option()
     time_phases = Option()
     nonfinite = Option()
@@ -68,6 +75,7 @@ class DMuonFSDP(Optimizer):
         time_phases: bool = False,
         nonfinite: str = "raise",
         check_grads: bool = True,
+        overlap_backward: bool = False,
         flatten: bool = True,
         split_sizes: list[int] | None = None,
         num_heads: int | None = None,
@@ -75,7 +83,7 @@ class DMuonFSDP(Optimizer):
     ):
         validation.check_lr(lr)  # before torch looks at params, as torch's own optimizers do
         self._options = Options(
-            ns_dtype, comm_dtype, bucket_bytes, overlap, time_phases, nonfinite, check_grads
+            ns_dtype, comm_dtype, bucket_bytes, overlap, time_phases, nonfinite, check_grads, overlap_backward
         )
         self.last_step_stats: StepStats | None = None
         self._names: dict[Tensor, str] = {}
@@ -85,6 +93,8 @@ class DMuonFSDP(Optimizer):
         self._params: list[Tensor] = []  # the same parameters alone
         self._state_written = False  # a step or a load has written state (else swaps make it anew)
         self._programs = ProgramCache()
+        self._backward = BackwardStart()
+        self._in_backward = False  # steps start in backward (overlap_backward, where hooks allow)
         self._route = routing(route) if route is not None else None
         defaults = dict(
             lr=lr,
@@ -161,6 +171,25 @@ class DMuonFSDP(Optimizer):
         self._muon_meshes = meshes
         self._site = comm.ExchangeSite(validation.site_mesh(meshes, self._params))
         self._programs.clear()
+        self._backward.disarm()
+        self._in_backward = self._options.overlap_backward and self._hooks_see_final_grads()
+
+    def _hooks_see_final_grads(self) -> bool:
+        """Whether every Muon gradient is final when its post-accumulate-grad hook fires: FSDP2 and
+        DTensor parameters, and plain tensors in one process, yes; plain tensors in a job of
+        several ranks (DDP) are all-reduced after their hooks, so such a job steps plainly."""
+        world = comm.default_world_size()
+        muon = [p for group in self.param_groups if group["use_muon"] for p in group["params"]]
+        plain = next((p for p in muon if not isinstance(p, DTensor)), None)
+        if world > 1 and plain is not None:
+            warnings.warn(
+                f"DMuonFSDP(overlap_backward=True): {self._names[plain]} is a plain tensor in a job of "
+                f"{world} ranks (replicated, as under DDP), whose gradients are all-reduced after their "
+                "hooks fire; the steps run after backward instead",
+                stacklevel=4,
+            )
+            return False
+        return True
 
     def _follow_swaps(self) -> None:
         """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp.swaps``)."""
@@ -184,7 +213,7 @@ class DMuonFSDP(Optimizer):
         super().__setstate__(state)
         if fresh:
             self._params = [p for _, p in self._indexed]
-            self._programs, self._route = ProgramCache(), None
+            self._programs, self._backward, self._route = ProgramCache(), BackwardStart(), None
             self._set_meshes(validation.check_new_groups(self.param_groups, self._names, {}, {}))
 
     def state_dict(self) -> dict[str, Any]:
@@ -243,11 +272,18 @@ class DMuonFSDP(Optimizer):
         grads = [p.grad for p in self._params]
         key = StepKey.of(groups, grads, flags=options.check_grads or options.nonfinite != "ignore")
         ready = self._programs.get(key, self._params, groups, self.state, self._names, settings)
-        stats = self.last_step_stats = StepStats(settings.device, timed=options.time_phases)
-        verdict = ready.program.run(grads, groups, key, options, stats, ready.bound)
+        program = ready.program
+        if program.in_backward:
+            verdict, stats = self._backward.run(program, grads, groups, key, options, ready.bound)
+        else:
+            stats = StepStats(settings.device, timed=options.time_phases)
+            verdict = program.run(grads, groups, key, options, stats, ready.bound)
+        self.last_step_stats = stats
         if verdict is Verdict.EXPLAIN:  # every rank raises the same error
-            build.explain(groups, self.state, self._names, settings, shared=ready.program.flags is not None)
+            build.explain(groups, self.state, self._names, settings, shared=program.flags is not None)
         self._state_written |= verdict is Verdict.GO
+        if program.in_backward and verdict is not Verdict.REBUILD:
+            self._backward.arm(program, groups, options.time_phases)  # for the next backward
         return verdict
 
     def _settings(self) -> build.Settings:
@@ -262,4 +298,5 @@ class DMuonFSDP(Optimizer):
             options.bucket_bytes,
             options.check_grads,
             options.nonfinite,
+            self._in_backward,
         )

@@ -42,6 +42,7 @@ class Plan:
     buckets: tuple[Bucket, ...]
     world_size: int
     param_of: tuple[int, ...]
+    backward_order: bool = False  # buckets in the order gradients arrive (``build_plan``)
 
     @cached_property
     def senders(self) -> tuple[frozenset[int], ...]:
@@ -56,9 +57,8 @@ class Plan:
         (same-shaped parameters listed in another order on one rank would otherwise exchange
         rows of different matrices)."""
         shapes = [(m.name, m.rows, m.cols, m.pieces, m.replicas) for m in self.matrices]
-        return zlib.crc32(
-            repr((shapes, self.costs, self.owners, [b.matrices for b in self.buckets])).encode()
-        )
+        buckets = [b.matrices for b in self.buckets]
+        return zlib.crc32(repr((shapes, self.costs, self.owners, buckets, self.backward_order)).encode())
 
     def loads(self) -> list[int]:
         """NS flops assigned to each rank."""
@@ -165,6 +165,7 @@ def build_plan(
     bucket_bytes: int,
     element_size: int,
     param_of: Sequence[int] | None = None,
+    backward_order: bool = False,
 ) -> Plan:
     """Assign owners by NS cost (``costs[j]``, matrix j's flops) over all matrices and cut them
     into buckets of bounded bytes.
@@ -174,6 +175,10 @@ def build_plan(
     the assignment order (largest first), so consecutive matrices go to different owners and
     every bucket spreads NS work over the ranks; while one bucket's NS runs, the next bucket's
     exchange is in flight. A matrix larger than ``bucket_bytes`` gets a bucket of its own.
+
+    ``backward_order``: buckets follow the order gradients arrive in backward instead, the
+    parameters' reverse order (a parameter's matrices stay together, in their own order), so that
+    each bucket can start as soon as its gradients land; owners are assigned as above.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -191,6 +196,9 @@ def build_plan(
                 )
     allowed = [m.full_holders if 0 < len(m.full_holders) < world_size else None for m in matrices]
     owners, order = assign_owners(costs, world_size, allowed)
+    param_of = tuple(param_of) if param_of is not None else tuple(range(len(matrices)))
+    if backward_order:
+        order = sorted(range(len(matrices)), key=lambda j: (-param_of[j], j))
     buckets: list[Bucket] = []
     current: list[int] = []
     current_bytes = 0
@@ -203,5 +211,6 @@ def build_plan(
         current_bytes += size
     if current:
         buckets.append(Bucket(tuple(current)))
-    param_of = tuple(param_of) if param_of is not None else tuple(range(len(matrices)))
-    return Plan(tuple(matrices), tuple(costs), tuple(owners), tuple(buckets), world_size, param_of)
+    return Plan(
+        tuple(matrices), tuple(costs), tuple(owners), tuple(buckets), world_size, param_of, backward_order
+    )

@@ -21,7 +21,7 @@ param group, bucket and NS batch, whatever the number of parameters or ranks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +102,7 @@ class Updates:
 
 @dataclass(frozen=True)
 class BucketProgram:
+    reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from
     to_owners: comm.Exchange | None
     assemble: Copies  # received pieces (and own ones, when staged) into the stacks
     batches: tuple[Batch, ...]
@@ -114,12 +115,34 @@ class BucketProgram:
 class NSInputs:
     """Where some matrices' Newton-Schulz inputs are written: their send-buffer or stack views
     themselves (shaped like the local shards), or scratch copies of the shards that
-    ``StepProgram.spread`` copies into place. ``grads`` index the step's local gradients."""
+    their ``Stage`` spreads into place. ``grads`` index the step's local gradients; ``group``
+    is the param group whose momentum and nesterov apply."""
 
+    group: int
     grads: tuple[int, ...]
     buffers: list[Tensor]  # momentum buffers, read
     destinations: list[Tensor]
     in_place: bool  # destinations have the buffers' dtype: compute in them
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The NS inputs made at one time: every one in a plain step; in a step started in backward,
+    those of the parameters whose first bucket is this stage's (made once its gradients landed).
+    ``spread`` copies their scratch copies into place."""
+
+    inputs: tuple[NSInputs, ...]
+    spread: Copies
+
+    def run(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
+        """Write the inputs; the momentum buffers are only read (``commit`` updates them after
+        the verdict)."""
+        for inputs in self.inputs:
+            group = groups[inputs.group]
+            weight = elementwise.input_weight(group["momentum"], group["nesterov"])
+            mine = [grads[i] for i in inputs.grads]
+            elementwise.muon_input(inputs.destinations, inputs.buffers, mine, weight, inputs.in_place)
+        self.spread.run()
 
 
 @dataclass(frozen=True)
@@ -130,7 +153,6 @@ class MuonLists:
     grads: tuple[int, ...]
     params: list[Tensor]
     buffers: list[Tensor]
-    inputs: tuple[NSInputs, ...]
 
 
 @dataclass(frozen=True)
@@ -146,7 +168,7 @@ class AdamWLists:
 
 @dataclass
 class Flags:
-    """Where the check flags sit in the first exchange's buffers: (peers, FLAG_ELEMENTS), at the
+    """Where the check flags sit in the buffers of the exchange carrying them: (peers, FLAG_ELEMENTS), at the
     head of every segment (``dmuon_fsdp.schedule``), and this rank's flags when nothing is wrong
     here (``values``, comm dtype, on the device) for the digest they were made for: made anew
     only when the per-step options change (``checks.hyper_digest``)."""
@@ -187,7 +209,9 @@ class Flags:
 @dataclass(frozen=True)
 class StepProgram:
     """Everything a step of one plan needs on this rank. ``entries`` are the parameters with a
-    gradient (in optimizer order); ``key`` is the step it was built for."""
+    gradient (in optimizer order); ``key`` is the step it was built for. ``flag_bucket``: the
+    bucket whose exchange to owners carries the check flags, the first, or the last in a program
+    whose steps start in backward (``in_backward``, see ``dmuon_fsdp.backward``)."""
 
     key: StepKey
     plan: Plan
@@ -202,9 +226,11 @@ class StepProgram:
     one: Tensor  # 1.0, the check's scale
     muon: tuple[MuonLists, ...]
     adamw: tuple[AdamWLists, ...]
-    spread: Copies  # scratch copies of NS inputs into their destinations
+    stages: tuple[Stage, ...]  # one, or one per bucket (in_backward)
     buckets: tuple[BucketProgram, ...]
     flags: Flags | None
+    flag_bucket: int
+    in_backward: bool
     all_updates: tuple[Updates, ...]  # every bucket's, merged by step size (applied once)
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields
 
@@ -234,27 +260,21 @@ class StepProgram:
     ) -> Verdict:
         """One step: every phase in order; returns the verdict all ranks share. Nothing is
         committed unless it is ``GO``. ``bound`` False: the parameters or their state changed
-        layout since the program was bound (the step reports it, on every rank)."""
+        layout since the program was bound (the step reports it, on every rank). A program
+        ``in_backward`` runs through ``dmuon_fsdp.backward`` instead."""
         local = self.local_grads(grads) if bound and key == self.key else None
         hyper = checks.hyper_digest(groups) if self.flags is not None else 0  # every rank's alike?
         with stats.phase("momentum"):
             if local is not None:
-                self._ns_inputs(local, groups)
-            indicator = self._write_flags(key, hyper, local, options.nonfinite)
+                self.stages[0].run(local, groups)
+            indicator = self.write_flags(key, hyper, local, options.nonfinite)
         in_flight = {0: self.launch(0)}
         if options.overlap and len(self.buckets) > 1:
             in_flight[1] = self.launch(1)
-        verdict = self._verdict(in_flight[0], self.key.digest ^ hyper, local, indicator, options, stats)
+        verdict = self.verdict(in_flight[0], self.key.digest ^ hyper, local, indicator, options, stats)
         if verdict is not Verdict.GO:
-            for handle in in_flight.values():
-                _wait(handle)
-            stats.seconds.clear()
-            stats.skipped = verdict is Verdict.SKIP
-            return verdict
-        with stats.phase("commit"):
-            self._commit(local, groups)
-        with stats.phase("adamw"):
-            self._adamw(local, groups)
+            return abandon(verdict, in_flight.values(), stats)
+        self.commit(local, groups, stats)
         returns = []
         for k, bucket in enumerate(self.buckets):
             ahead = k + 1 if options.overlap else k  # with overlap, bucket k+1 travels during NS of k
@@ -262,9 +282,9 @@ class StepProgram:
                 in_flight[ahead] = self.launch(ahead)
             returns.append(self.finish(k, in_flight.pop(k), stats))
             if not options.overlap:
-                _apply(bucket.updates, [returns.pop()], groups, stats)
+                apply_updates(bucket.updates, [returns.pop()], groups, stats)
         if options.overlap:
-            _apply(self.all_updates, returns, groups, stats)
+            apply_updates(self.all_updates, returns, groups, stats)
         stats.count(**self.counts)
         return verdict
 
@@ -278,7 +298,7 @@ class StepProgram:
         exchange back from the owners; returns its handle."""
         bucket = self.buckets[k]
         with stats.phase("wait"):
-            _wait(arriving)
+            wait(arriving)
         with stats.phase("assemble"):
             bucket.assemble.run()
         with stats.phase("newton_schulz"):
@@ -289,30 +309,21 @@ class StepProgram:
             bucket.collect.run()
             return comm.launch(bucket.from_owners) if bucket.from_owners is not None else None
 
-    def _ns_inputs(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
-        """What each matrix orthogonalizes, into send buffers and own stacks; the momentum
-        buffers are only read (``_commit`` updates them after the verdict)."""
-        for lists in self.muon:
-            group = groups[lists.group]
-            weight = elementwise.input_weight(group["momentum"], group["nesterov"])
-            for inputs in lists.inputs:
-                mine = [grads[i] for i in inputs.grads]
-                elementwise.muon_input(inputs.destinations, inputs.buffers, mine, weight, inputs.in_place)
-        self.spread.run()
-
-    def _write_flags(
-        self, key: StepKey, hyper: int, local: list[Tensor] | None, nonfinite: str
+    def write_flags(
+        self, key: StepKey, hyper: int, local: list[Tensor] | None, nonfinite: str, redo: bool = False
     ) -> Tensor | None:
-        """This rank's check flags into every segment of the first exchange (device ops only):
-        those of its key and per-step options (``hyper``), marked invalid when a gradient is.
-        Returns the non-finite indicator when that check is on."""
+        """This rank's check flags into every segment of the exchange carrying them (device ops
+        only): those of its key and per-step options (``hyper``), marked invalid when a gradient
+        is, and ``redo`` when this rank's gradients changed after their work began. Returns the
+        non-finite indicator when that check is on."""
         indicator = None
         if nonfinite != "ignore" and local is not None:
             indicator = checks.nonfinite_indicator(local, self.found, self.one)
         if self.flags is not None:
-            send = self.buckets[0].to_owners.send
-            if local is None or key != self.key:
-                found = checks.encode(key.digest ^ hyper, invalid=key == self.key)
+            send = self.buckets[self.flag_bucket].to_owners.send
+            if local is None or key != self.key or redo:
+                invalid = key == self.key and local is None
+                found = checks.encode(key.digest ^ hyper, invalid=invalid, redo=redo)
                 values = torch.tensor(found, dtype=send.dtype, device=send.device)
             else:
                 values = self.flags.values_for(key.digest ^ hyper)
@@ -321,58 +332,69 @@ class StepProgram:
                 send.index_put_((self.flags.nonfinite,), indicator.to(send.dtype))
         return indicator
 
-    def _verdict(
+    def verdict(
         self,
-        first: comm.Handle | None,
+        carrier: comm.Handle | None,
         expected: int,
         local: list[Tensor] | None,
         indicator: Tensor | None,
         options: Options,
         stats: StepStats,
+        redo: bool = False,
     ) -> Verdict:
         """The verdict, the same on every rank, from at most one device-to-host read: the
-        maximum of every rank's flags (from the first exchange) or, without flags, this rank's
-        own findings; ``expected``: the digest every rank sends when all step this program
-        with the same per-step options."""
+        maximum of every rank's flags (from the exchange carrying them, ``carrier``) or,
+        without flags, this rank's own findings; ``expected``: the digest every rank sends when
+        all step this program with the same per-step options."""
         if self.flags is not None:
             with stats.phase("wait"):
-                summary = _wait(first)[self.flags.receive].amax(0).tolist()
+                summary = wait(carrier)[self.flags.receive].amax(0).tolist()
         else:
-            summary = checks.encode(expected, invalid=local is None)
+            summary = checks.encode(expected, invalid=local is None, redo=redo)
             if indicator is not None:
                 summary[checks.NONFINITE_SLOT] = indicator.item()
         return checks.decide(summary, expected, options.nonfinite, options.check_grads)
 
-    def _commit(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
-        """Momentum buffers and decoupled weight decay: the state changes of the Muon step."""
-        for lists in self.muon:
-            group = groups[lists.group]
-            torch._foreach_lerp_(lists.buffers, [grads[i] for i in lists.grads], 1.0 - group["momentum"])
-            if group["weight_decay"]:
-                torch._foreach_mul_(lists.params, 1.0 - float(group["lr"]) * group["weight_decay"])
-
-    def _adamw(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
-        for lists in self.adamw:
-            mine = [grads[i] for i in lists.grads]
-            elementwise.adamw(
-                lists.params,
-                mine,
-                lists.exp_avgs,
-                lists.exp_avg_sqs,
-                lists.steps,
-                groups[lists.group],
-                lists.kernel,
-            )
+    def commit(self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: StepStats) -> None:
+        """The state changes of the step, after a ``GO``: momentum buffers and decoupled weight
+        decay (``commit``), then torch's functional AdamW (``adamw``)."""
+        with stats.phase("commit"):
+            for lists in self.muon:
+                group = groups[lists.group]
+                torch._foreach_lerp_(lists.buffers, [grads[i] for i in lists.grads], 1.0 - group["momentum"])
+                if group["weight_decay"]:
+                    torch._foreach_mul_(lists.params, 1.0 - float(group["lr"]) * group["weight_decay"])
+        with stats.phase("adamw"):
+            for lists in self.adamw:
+                mine = [grads[i] for i in lists.grads]
+                elementwise.adamw(
+                    lists.params,
+                    mine,
+                    lists.exp_avgs,
+                    lists.exp_avg_sqs,
+                    lists.steps,
+                    groups[lists.group],
+                    lists.kernel,
+                )
 
 
 _NONE: dict = {}  # the state of a parameter whose state was removed (``moved`` reports it)
 
 
-def _wait(handle: comm.Handle | None) -> Tensor | None:
+def wait(handle: comm.Handle | None) -> Tensor | None:
     return handle.wait() if handle is not None else None
 
 
-def _apply(
+def abandon(verdict: Verdict, in_flight: Iterable[comm.Handle | None], stats: StepStats) -> Verdict:
+    """A step that does not go on: every exchange in flight waited for, nothing committed."""
+    for handle in in_flight:
+        wait(handle)
+    stats.seconds.clear()
+    stats.skipped = verdict is Verdict.SKIP
+    return verdict
+
+
+def apply_updates(
     updates: Sequence[Updates],
     returns: Sequence[comm.Handle | None],
     groups: Sequence[dict[str, Any]],
@@ -380,7 +402,7 @@ def _apply(
 ) -> None:
     with stats.phase("wait"):
         for handle in returns:
-            _wait(handle)
+            wait(handle)
     with stats.phase("apply"):
         for u in updates:
             u.apply(groups)

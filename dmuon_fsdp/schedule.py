@@ -64,8 +64,9 @@ class BucketSchedule:
 @dataclass(frozen=True)
 class RankSchedule:
     """Every exchange of a plan seen from plan rank ``rank``; ``peers[g]`` is the plan rank of
-    process-group rank g. The first bucket's exchange to owners carries the step's check flags when the job
-    has more than one rank (a plan without matrices gets one empty bucket for them)."""
+    process-group rank g. One bucket's exchange to owners carries the step's check flags when the job
+    has more than one rank: the first, or the last for a step started in backward (see
+    ``dmuon_fsdp.backward``); a plan without matrices gets one empty bucket for them."""
 
     rank: int
     peers: tuple[int, ...]
@@ -143,16 +144,21 @@ def _wire(
     return Wire(send, receive, flags)
 
 
-def rank_schedule(plan: Plan, rank: int, peers: Sequence[int], flags: int = 0) -> RankSchedule:
+def rank_schedule(
+    plan: Plan, rank: int, peers: Sequence[int], flags: int = 0, flags_last: bool = False
+) -> RankSchedule:
     """``rank``'s schedule for ``plan`` (see ``RankSchedule``), with ``flags`` check elements per
-    segment of the first exchange, checked before it is returned."""
+    segment of the first exchange (of the last one with ``flags_last``), checked before it is
+    returned."""
     peers = tuple(peers)
     if sorted(peers) != list(range(plan.world_size)) or not 0 <= rank < plan.world_size:
         raise ValueError(f"peers {peers} and rank {rank} do not number the plan's {plan.world_size} ranks")
     multi = plan.world_size > 1
     buckets = []
-    for k, bucket in enumerate(plan.buckets or (Bucket(()),)):
-        first_flags = flags if k == 0 and multi else 0
+    planned = plan.buckets or (Bucket(()),)
+    flagged = len(planned) - 1 if flags_last else 0
+    for k, bucket in enumerate(planned):
+        carried = flags if k == flagged and multi else 0
         sends, receives = _sends_to_owners(plan, bucket, rank), _receives_as_owner(plan, bucket, rank)
         returns, returned = _returns_as_owner(plan, bucket, rank), _returns_from_owners(plan, bucket, rank)
         if sends.get(rank, []) != receives.get(rank, []) or returns.get(rank, []) != returned.get(rank, []):
@@ -160,7 +166,7 @@ def rank_schedule(plan: Plan, rank: int, peers: Sequence[int], flags: int = 0) -
         buckets.append(
             BucketSchedule(
                 owned=tuple(plan.owned_by(bucket, rank)),
-                to_owners=_wire(sends, receives, peers, rank, first_flags, _moves(plan, bucket, True)),
+                to_owners=_wire(sends, receives, peers, rank, carried, _moves(plan, bucket, True)),
                 own_pieces=tuple(receives.get(rank, ())),
                 from_owners=_wire(returns, returned, peers, rank, 0, _moves(plan, bucket, False)),
                 own_results=tuple(returned.get(rank, ())),

@@ -28,6 +28,12 @@ class StepStats:
     wall time of each of ``PHASES`` (``wait``: blocked on all-to-all, summed over the step). On
     accelerators, timing synchronizes the device at every phase boundary, which removes the
     overlap of exchange and NS: time whole steps with timing off.
+
+    With ``overlap_backward``: ``started_in_backward`` and ``finished_in_backward`` count the
+    buckets whose exchange to owners (and, finished, their NS and exchange back) began in
+    backward, and ``redone`` is True when the step was redone from gradients that changed after
+    backward began it (the counts are then the redone step's, 0). Phase times include the work
+    done in hooks.
     """
 
     device: torch.device
@@ -40,6 +46,9 @@ class StepStats:
     flag_bytes: int = 0
     collectives: int = 0
     skipped: bool = False
+    started_in_backward: int = 0
+    finished_in_backward: int = 0
+    redone: bool = False
 
     def count(
         self, ns_flops: int, bytes_sent: int, bytes_received: int, flag_bytes: int, collectives: int

@@ -34,6 +34,7 @@ class Options:
     time_phases: bool = False
     nonfinite: str = "raise"
     check_grads: bool = True
+    overlap_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.ns_dtype is not None and not (
@@ -50,7 +51,7 @@ class Options:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
-        for name in ("overlap", "time_phases", "check_grads"):
+        for name in ("overlap", "time_phases", "check_grads", "overlap_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

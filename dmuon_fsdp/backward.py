@@ -1,0 +1,301 @@
+"""A step begun in backward: each bucket's work starts as soon as FSDP2 delivers its gradients.
+
+FSDP2 calls every ``register_post_accumulate_grad_hook`` hook of a sharded parameter right after
+its reduce-scattered (under HSDP also all-reduced) gradient is assigned (torch 2.13,
+``foreach_reduce``). With ``DMuonFSDP(..., overlap_backward=True)`` the plan's buckets follow the
+order gradients arrive (the parameters' reverse order) and ``BackwardStart`` hooks every Muon
+parameter of the program, from the step after the one that built it:
+
+- a bucket *starts* once every gradient it reads has landed and every earlier bucket started:
+  its NS inputs are made (the momentum buffers are only read) and its exchange to the owners
+  is launched;
+- a started bucket is *finished* in bucket order (assembled, orthogonalized, the exchange back
+  launched): on an accelerator at once, on side streams (waiting there only orders streams);
+  on CPU once its exchange has arrived, so that a hook never blocks;
+- the last bucket never starts in backward: its exchange carries the check flags, which
+  ``run`` makes at ``step`` from the final gradients.
+
+``run`` starts and finishes the rest, reads the verdict, commits and applies, as a plain step
+does. Exchanges to owners run on a process group of their own and those back on another
+(``comm.BackwardGroups``): each sees its collectives in plan order on every rank, whenever a
+rank's hooks or its ``step`` launch them, and neither is ordered among FSDP2's collectives.
+
+Gradients that changed after their bucket started (``clip_grad_norm_``, ``GradScaler.unscale_``,
+a second backward accumulating into them) are seen at ``step`` from the gradients' identity and
+version counters, or from a hook firing again; the flags then ask for ``Verdict.REDO`` and
+every rank runs the step again from the final gradients, as a plain step (warned once).
+``clip_grad_norm_`` here clips as torch's does but leaves the gradients untouched when the clip
+coefficient is 1, so only the steps that do clip are redone.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from dmuon_fsdp import checks, comm
+from dmuon_fsdp.checks import StepKey, Verdict
+from dmuon_fsdp.layouts import local_shard
+from dmuon_fsdp.program import StepProgram, abandon, apply_updates
+from dmuon_fsdp.stats import StepStats
+
+if TYPE_CHECKING:
+    from dmuon_fsdp.validation import Options
+
+
+@dataclass
+class Progress:
+    """How far one step of ``program`` got before ``step``. ``missing[k]``: gradients bucket k
+    reads that have not landed; ``used``: each gradient a started bucket read, with its version
+    counter then; ``hyper``: the per-step options the first bucket started with."""
+
+    program: StepProgram
+    stats: StepStats
+    missing: list[int]
+    grads: list[Tensor | None]
+    used: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
+    started: int = 0
+    finished: int = 0
+    to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
+    from_owners: list[comm.Handle | None] = field(default_factory=list)
+    hyper: int | None = None
+    stale: bool = False  # a gradient landed again after a started bucket read it
+
+    @classmethod
+    def of(cls, program: StepProgram, stats: StepStats) -> Progress:
+        missing = [len(bucket.reads) for bucket in program.buckets]
+        return cls(program, stats, missing, [None] * len(program.entries))
+
+    def changed(self, local: list[Tensor], groups: Sequence[dict[str, Any]]) -> bool:
+        """Whether what a started bucket read differs from the step's final gradients and options."""
+        if self.started == 0:
+            return False
+        if self.stale or self.hyper != checks.hyper_digest(groups):
+            return True
+        return any(local[i] is not g or g._version != version for i, (g, version) in self.used.items())
+
+    def in_flight(self) -> Iterator[comm.Handle | None]:
+        yield from self.to_owners.values()
+        yield from self.from_owners
+
+
+class _Streams:
+    """Side streams for the work done in hooks on an accelerator (none on CPU): one makes NS
+    inputs and launches exchanges to owners, the other finishes buckets; both start after the
+    stream the hook runs on (FSDP2's reduce stream), and ``join`` orders the caller's after them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.module = torch.get_device_module(device) if device.type != "cpu" else None
+        if self.module is not None:
+            self.launching, self.finishing = self.module.Stream(device), self.module.Stream(device)
+
+    @contextmanager
+    def on(self, name: str) -> Iterator[None]:
+        if self.module is None:
+            yield
+            return
+        stream = getattr(self, name)
+        stream.wait_stream(self.module.current_stream(self.device))
+        if stream is self.finishing:  # own pieces reach the stacks on the launching stream
+            stream.wait_stream(self.launching)
+        with self.module.stream(stream):
+            yield
+
+    def join(self) -> None:
+        if self.module is not None:
+            current = self.module.current_stream(self.device)
+            current.wait_stream(self.launching)
+            current.wait_stream(self.finishing)
+
+
+class BackwardStart:
+    """The hooks of one program's parameters and the progress of the step under way."""
+
+    def __init__(self) -> None:
+        self._program: StepProgram | None = None
+        self._hooks: list[Any] = []
+        self._first: dict[int, int] = {}  # entry -> the first bucket reading its gradient
+        self._readers: dict[int, list[int]] = {}  # entry -> the buckets reading its gradient
+        self._groups: Sequence[dict[str, Any]] = ()
+        self._streams: _Streams | None = None
+        self._progress: Progress | None = None
+        self._warned = False
+
+    def arm(self, program: StepProgram, groups: Sequence[dict[str, Any]], timed: bool) -> None:
+        """Hook ``program``'s parameters (once per program) and expect the next backward."""
+        if program is not self._program:
+            self.disarm()
+            self._program, self._groups = program, groups
+            self._streams = _Streams(program.found.device)
+            for k, bucket in enumerate(program.buckets):
+                for i in bucket.reads:
+                    self._first.setdefault(i, k)
+                    self._readers.setdefault(i, []).append(k)
+            me = weakref.ref(self)  # parameters must not keep the optimizer alive
+            for i in self._readers:
+                param = program.entries[i].param
+                self._hooks.append(param.register_post_accumulate_grad_hook(partial(_landed, me, i)))
+        self._progress = Progress.of(program, StepStats(program.found.device, timed=timed))
+
+    def disarm(self) -> None:
+        """Remove the hooks; a step under way is brought to where every rank stands alike."""
+        self._settle(self._progress)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._first, self._readers = [], {}, {}
+        self._program, self._progress = None, None
+
+    def landed(self, i: int, param: Tensor) -> None:
+        """Entry ``i``'s gradient was assigned (a hook)."""
+        progress = self._progress
+        if progress is None or param.grad is None:
+            return
+        if progress.grads[i] is not None:  # again: accumulating (or a second backward)
+            progress.stale |= i in progress.used
+            progress.grads[i] = local_shard(param.grad)
+            return
+        progress.grads[i] = local_shard(param.grad)
+        for k in self._readers[i]:
+            progress.missing[k] -= 1
+        self._advance(progress)
+
+    def _advance(self, progress: Progress) -> None:
+        program, stats = progress.program, progress.stats
+        last = len(program.buckets) - 1
+        while progress.started < last and progress.missing[progress.started] == 0:
+            k = progress.started
+            if progress.hyper is None:
+                progress.hyper = checks.hyper_digest(self._groups)
+            with self._streams.on("launching"), stats.phase("momentum"):
+                program.stages[k].run(progress.grads, self._groups)
+                progress.to_owners[k] = program.launch(k)
+            for i in program.buckets[k].reads:
+                if self._first[i] == k:
+                    grad = progress.grads[i]
+                    progress.used[i] = (grad, grad._version)
+            progress.started += 1
+        blocking = self._streams.module is None
+        while progress.finished < progress.started:
+            k = progress.finished
+            handle = progress.to_owners[k]
+            if blocking and handle is not None and not handle.done():
+                break
+            with self._streams.on("finishing"):
+                progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), stats))
+            progress.finished += 1
+
+    def _settle(self, progress: Progress | None) -> None:
+        """Bring a step that will not be completed to where every rank's is: every started
+        bucket finished (their count is the same on every rank), everything waited for."""
+        if progress is None:
+            return
+        program = progress.program
+        for k in range(progress.finished, progress.started):
+            progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), progress.stats))
+        for handle in progress.in_flight():
+            if handle is not None:
+                handle.wait()
+
+    def run(
+        self,
+        program: StepProgram,
+        grads: Sequence[Tensor | None],
+        groups: Sequence[dict[str, Any]],
+        key: StepKey,
+        options: Options,
+        bound: bool,
+    ) -> tuple[Verdict, StepStats]:
+        """The step (see the module docstring); returns the verdict and what this rank did."""
+        progress, self._progress = self._progress, None  # hooks do nothing until armed again
+        if progress is None or progress.program is not program:
+            self._settle(progress)
+            progress = Progress.of(program, StepStats(program.found.device, timed=options.time_phases))
+        if self._streams is not None:
+            self._streams.join()
+        verdict = _complete(progress, grads, groups, key, options, bound)
+        if verdict is Verdict.REDO:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "DMuonFSDP(overlap_backward=True): gradients changed after backward began the step "
+                    "(clip_grad_norm_, GradScaler.unscale_, or a backward accumulating into synced "
+                    "gradients), so the step was redone from the final gradients; clip with "
+                    "dmuon_fsdp.clip_grad_norm_ and accumulate under set_requires_gradient_sync(False) "
+                    "to keep the overlap (warned once)",
+                    stacklevel=4,
+                )
+            progress = Progress.of(program, StepStats(program.found.device, timed=options.time_phases))
+            progress.stats.redone = True
+            verdict = _complete(progress, grads, groups, key, options, bound)
+        return verdict, progress.stats
+
+
+def _landed(start: weakref.ref, i: int, param: Tensor) -> None:
+    owner = start()
+    if owner is not None:
+        owner.landed(i, param)
+
+
+def _complete(
+    progress: Progress,
+    grads: Sequence[Tensor | None],
+    groups: Sequence[dict[str, Any]],
+    key: StepKey,
+    options: Options,
+    bound: bool,
+) -> Verdict:
+    """Start and finish what backward left, decide, commit and apply. Before the verdict every
+    rank has launched every exchange to owners and the exchanges back of all but the last bucket,
+    so that a step that does not go on leaves every group where every rank's is."""
+    program, stats = progress.program, progress.stats
+    stats.started_in_backward, stats.finished_in_backward = progress.started, progress.finished
+    last = len(program.buckets) - 1
+    local = program.local_grads(grads) if bound and key == program.key else None
+    hyper = checks.hyper_digest(groups) if program.flags is not None else 0
+    redo = local is not None and progress.changed(local, groups)
+    with stats.phase("momentum"):
+        if local is not None and not redo:
+            for k in range(progress.started, last + 1):
+                program.stages[k].run(local, groups)
+        indicator = program.write_flags(key, hyper, local, options.nonfinite, redo=redo)
+    for k in range(progress.started, last + 1):
+        progress.to_owners[k] = program.launch(k)
+    for k in range(progress.finished, last):
+        progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), stats))
+    carrier = progress.to_owners[last]
+    verdict = program.verdict(carrier, program.key.digest ^ hyper, local, indicator, options, stats, redo)
+    if verdict is not Verdict.GO:
+        return abandon(verdict, progress.in_flight(), stats)
+    program.commit(local, groups, stats)
+    progress.from_owners.append(program.finish(last, progress.to_owners.pop(last), stats))
+    apply_updates(program.all_updates, progress.from_owners, groups, stats)
+    stats.count(**program.counts)
+    return verdict
+
+
+def clip_grad_norm_(
+    parameters: Tensor | Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, with the same result, except that gradients are not
+    touched when the clip coefficient is 1 (torch multiplies them by 1.0, which changes no value
+    but marks them changed). With ``overlap_backward=True`` only the steps that clip are then
+    redone. Reads the coefficient on the host (one synchronization, as logging the norm does)."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    if grads and bool(max_norm / (total + 1e-6) < 1.0):  # torch's coefficient, before its clamp
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total

@@ -55,13 +55,15 @@ if TYPE_CHECKING:
 class Progress:
     """How far one step of ``program`` got before ``step``. ``missing[k]``: gradients bucket k
     reads that have not landed; ``used``: each gradient a started bucket read, with its version
-    counter then; ``hyper``: the per-step options the first bucket started with."""
+    counter then, and ``norms`` their norms (in that order); ``hyper``: the per-step options the
+    first bucket started with."""
 
     program: StepProgram
     stats: StepStats
     missing: list[int]
     grads: list[Tensor | None]
     used: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
+    norms: list[Tensor] = field(default_factory=list)
     started: int = 0
     finished: int = 0
     to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
@@ -74,13 +76,24 @@ class Progress:
         missing = [len(bucket.reads) for bucket in program.buckets]
         return cls(program, stats, missing, [None] * len(program.entries))
 
-    def changed(self, local: list[Tensor], groups: Sequence[dict[str, Any]]) -> bool:
-        """Whether what a started bucket read differs from the step's final gradients and options."""
+    def replaced(self, local: list[Tensor], groups: Sequence[dict[str, Any]]) -> bool:
+        """Whether what a started bucket read is seen on the host to differ from the step's
+        final gradients and options: a gradient landed again, was replaced or written in place
+        (its version counter), or an option changed."""
         if self.started == 0:
             return False
         if self.stale or self.hyper != checks.hyper_digest(groups):
             return True
         return any(local[i] is not g or g._version != version for i, (g, version) in self.used.items())
+
+    def rewritten(self, local: list[Tensor]) -> Tensor | None:
+        """A (1,) indicator on the device: 1 when a gradient a started bucket read has another
+        norm now. In-place writes through DTensor's foreach ops (``clip_grad_norm_`` on FSDP2
+        gradients) leave version counters as they were; any change of a gradient's norm is seen."""
+        if not self.used:
+            return None
+        now = torch._foreach_norm([local[i] for i in self.used], dtype=torch.float32)
+        return (torch.stack(self.norms) != torch.stack(now)).any().reshape(1).float()
 
     def in_flight(self) -> Iterator[comm.Handle | None]:
         yield from self.to_owners.values()
@@ -178,10 +191,10 @@ class BackwardStart:
             with self._streams.on("launching"), stats.phase("momentum"):
                 program.stages[k].run(progress.grads, self._groups)
                 progress.to_owners[k] = program.launch(k)
-            for i in program.buckets[k].reads:
-                if self._first[i] == k:
-                    grad = progress.grads[i]
-                    progress.used[i] = (grad, grad._version)
+                read = [i for i in program.buckets[k].reads if self._first[i] == k]
+                grads = [progress.grads[i] for i in read]
+                progress.norms += torch._foreach_norm(grads, dtype=torch.float32) if grads else []
+            progress.used.update((i, (g, g._version)) for i, g in zip(read, grads))
             progress.started += 1
         blocking = self._streams.module is None
         while progress.finished < progress.started:
@@ -261,18 +274,20 @@ def _complete(
     last = len(program.buckets) - 1
     local = program.local_grads(grads) if bound and key == program.key else None
     hyper = checks.hyper_digest(groups) if program.flags is not None else 0
-    redo = local is not None and progress.changed(local, groups)
+    redo = local is not None and progress.replaced(local, groups)
     with stats.phase("momentum"):
+        changed = progress.rewritten(local) if local is not None and not redo else None
         if local is not None and not redo:
             for k in range(progress.started, last + 1):
                 program.stages[k].run(local, groups)
-        indicator = program.write_flags(key, hyper, local, options.nonfinite, redo=redo)
+        indicator = program.write_flags(key, hyper, local, options.nonfinite, redo, changed)
     for k in range(progress.started, last + 1):
         progress.to_owners[k] = program.launch(k)
     for k in range(progress.finished, last):
         progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), stats))
     carrier = progress.to_owners[last]
-    verdict = program.verdict(carrier, program.key.digest ^ hyper, local, indicator, options, stats, redo)
+    expected = program.key.digest ^ hyper
+    verdict = program.verdict(carrier, expected, local, indicator, options, stats, redo, changed)
     if verdict is not Verdict.GO:
         return abandon(verdict, progress.in_flight(), stats)
     program.commit(local, groups, stats)
@@ -298,4 +313,6 @@ def clip_grad_norm_(
     total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     if grads and bool(max_norm / (total + 1e-6) < 1.0):  # torch's coefficient, before its clamp
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        # DTensor's foreach ops leave version counters as they were: mark the gradients changed
+        torch.autograd.graph.increment_version([local_shard(g) for g in grads])
     return total

@@ -176,6 +176,7 @@ class Flags:
     send: Tensor
     receive: Tensor
     nonfinite: Tensor  # the non-finite slot of each send segment: (peers,)
+    redo: Tensor  # and the redo slot
     dtype: torch.dtype  # the exchange's
     digest: int = -1
     values: Tensor | None = None
@@ -190,9 +191,11 @@ class Flags:
             return (starts[:, None] + torch.arange(checks.FLAG_ELEMENTS)).to(device)
 
         send = heads(first.send_counts)
-        flags = cls(
-            send, heads(first.receive_counts), send[:, checks.NONFINITE_SLOT].contiguous(), first.send.dtype
-        )
+        slot = {
+            name: send[:, i].contiguous()
+            for name, i in (("nonfinite", checks.NONFINITE_SLOT), ("redo", checks.REDO_SLOT))
+        }
+        flags = cls(send, heads(first.receive_counts), slot["nonfinite"], slot["redo"], first.send.dtype)
         first.send.index_put_((flags.send,), flags.values_for(digest))
         return flags
 
@@ -310,11 +313,18 @@ class StepProgram:
             return comm.launch(bucket.from_owners) if bucket.from_owners is not None else None
 
     def write_flags(
-        self, key: StepKey, hyper: int, local: list[Tensor] | None, nonfinite: str, redo: bool = False
+        self,
+        key: StepKey,
+        hyper: int,
+        local: list[Tensor] | None,
+        nonfinite: str,
+        redo: bool = False,
+        changed: Tensor | None = None,
     ) -> Tensor | None:
         """This rank's check flags into every segment of the exchange carrying them (device ops
         only): those of its key and per-step options (``hyper``), marked invalid when a gradient
-        is, and ``redo`` when this rank's gradients changed after their work began. Returns the
+        is, and to redo when this rank's gradients changed after their work began (``redo``,
+        known on the host, or ``changed``, a (1,) indicator on the device). Returns the
         non-finite indicator when that check is on."""
         indicator = None
         if nonfinite != "ignore" and local is not None:
@@ -330,6 +340,8 @@ class StepProgram:
             send.index_put_((self.flags.send,), values)
             if indicator is not None:
                 send.index_put_((self.flags.nonfinite,), indicator.to(send.dtype))
+            if changed is not None and not redo:
+                send.index_put_((self.flags.redo,), changed.to(send.dtype))
         return indicator
 
     def verdict(
@@ -341,6 +353,7 @@ class StepProgram:
         options: Options,
         stats: StepStats,
         redo: bool = False,
+        changed: Tensor | None = None,
     ) -> Verdict:
         """The verdict, the same on every rank, from at most one device-to-host read: the
         maximum of every rank's flags (from the exchange carrying them, ``carrier``) or,
@@ -353,6 +366,8 @@ class StepProgram:
             summary = checks.encode(expected, invalid=local is None, redo=redo)
             if indicator is not None:
                 summary[checks.NONFINITE_SLOT] = indicator.item()
+            if changed is not None and not redo:
+                summary[checks.REDO_SLOT] = changed.item()
         return checks.decide(summary, expected, options.nonfinite, options.check_grads)
 
     def commit(self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: StepStats) -> None:

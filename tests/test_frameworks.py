@@ -63,6 +63,10 @@ def test_accelerate_fsdp2_optimizer_built_before_or_after_prepare(tmp_path):
     assert_same(before[1], after[1])
     for built in ("before", "after"):
         assert_resumed_exactly(result[built][:2], result[f"{built}-resumed"])
+    overlapped = result["overlapped"]
+    assert overlapped[3] > 0  # buckets started in backward, after the parameter swap
+    assert overlapped[0] == before[0]
+    assert_same(overlapped[1], before[1])
 
 
 def test_transformers_trainer_fsdp2_with_route(tmp_path):

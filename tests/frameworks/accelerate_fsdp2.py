@@ -1,6 +1,7 @@
 """HF Accelerate with FSDP2 on 2 CPU ranks: DMuonFSDP built before ``prepare(model, opt)`` (its
 parameters swapped for the sharded ones) and after, then ``save_state`` / ``load_state`` into a
-fresh model and optimizer. Run under torchrun; rank 0 writes the results to argv[1]."""
+fresh model and optimizer; and built before with ``overlap_backward=True``. Run under torchrun;
+rank 0 writes the results to argv[1]."""
 
 from __future__ import annotations
 
@@ -33,11 +34,11 @@ def train(acc, model, opt, steps) -> list[float]:
     return common.train(model, opt, steps, acc.process_index, acc.backward)
 
 
-def run(built: str, checkpoint: str):
+def run(built: str, checkpoint: str, **options):
     acc = accelerator()
     model = tiny_llama()
     if built == "before":  # as Accelerate's docs do it: the optimizer on the unsharded model
-        opt = DMuonFSDP(param_groups(model), ns_dtype=torch.float32)
+        opt = DMuonFSDP(param_groups(model), ns_dtype=torch.float32, **options)
         model, opt = acc.prepare(model, opt)
     else:  # sharded by hand as Accelerate would (Accelerate leaves an FSDP module as it is)
         mesh = init_device_mesh("cpu", (acc.num_processes,))
@@ -49,7 +50,8 @@ def run(built: str, checkpoint: str):
     losses = train(acc, model, opt, range(2))
     acc.save_state(checkpoint)
     losses += train(acc, model, opt, range(2, 4))
-    return losses, snapshot(model, opt), opt.optimizer.exchange_mesh is not None
+    started = opt.optimizer.last_step_stats.started_in_backward
+    return losses, snapshot(model, opt), opt.optimizer.exchange_mesh is not None, started
 
 
 def resume(checkpoint: str):
@@ -66,6 +68,9 @@ def main():
     for built in ("before", "after"):
         results[built] = run(built, f"{out_path()}.{built}")
         results[f"{built}-resumed"] = resume(f"{out_path()}.{built}")
+    results["overlapped"] = run(
+        "before", f"{out_path()}.overlapped", overlap_backward=True, bucket_bytes=2**14
+    )
     finish(results, out_path())
 
 

@@ -339,9 +339,62 @@ def overlap_timeline(
     return clock, last_return
 
 
+def shipped_timeline(
+    ready: list[float], exchange: list[float], ns: list[dict[int, float]]
+) -> tuple[float, dict[str, float]]:
+    """(end of the last return exchange, its critical path after backward by kind) of the shipped
+    overlap_backward step, seconds from the start of backward.
+
+    ``ready[k]``: when bucket k's to-owners exchange is launched (all but the last: once its
+    gradients have landed and every earlier bucket started, during backward; the last: at
+    ``step``, ``ready[-1]`` = the end of backward). One link, in launch order (one process group:
+    every to-owners exchange, then the returns in bucket order), carries each all-to-all for
+    ``exchange[k]`` seconds. At ``step`` every rank runs, bucket by bucket, the NS of the matrices
+    it owns in it (``ns[k]``) once the bucket has arrived; bucket k's return is launched once every
+    rank is through bucket k. The path: "NS", "last to-owners", "returns" and "spill" (to-owners
+    exchanges launched in backward still on the link after it), summing to the end minus backward.
+    """
+    backward_end = ready[-1]
+    starts, ends, preds, kinds = [backward_end], [backward_end], [-1], [""]  # event 0: end of backward
+
+    def event(start: float, pred: int, seconds: float, kind: str) -> int:
+        starts.append(start)
+        ends.append(start + seconds)
+        preds.append(pred)
+        kinds.append(kind)
+        return len(ends) - 1
+
+    link = -1  # event: the link's latest transfer
+
+    def transfer(at: float, pred: int, k: int, kind: str) -> int:
+        nonlocal link
+        if link >= 0 and ends[link] > at:
+            at, pred = ends[link], link
+        link = event(at, pred, exchange[k], kind)
+        return link
+
+    arrived = [transfer(t, -1, k, "spill") for k, t in enumerate(ready[:-1])]
+    arrived.append(transfer(backward_end, 0, len(ready) - 1, "last to-owners"))
+    done: dict[int, int] = {}  # rank: event of its latest NS (0: none yet)
+    latest = 0  # the latest of those over every rank
+    for k, owned in enumerate(ns):
+        for owner, seconds in owned.items():
+            pred = max(done.get(owner, 0), arrived[k], key=ends.__getitem__)
+            done[owner] = event(ends[pred], pred, seconds, "NS")
+            latest = max(latest, done[owner], key=ends.__getitem__)
+        pred = max(latest, arrived[k], key=ends.__getitem__)
+        transfer(ends[pred], pred, k, "returns")
+    path = dict.fromkeys(("NS", "last to-owners", "returns", "spill"), 0.0)
+    e = link
+    while e >= 0 and ends[e] > backward_end:
+        path[kinds[e]] += ends[e] - max(starts[e], backward_end)
+        e = preds[e]
+    return ends[link], path
+
+
 def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
-    """Predicted forward + backward + optimizer step (ms) of AdamW, DMuonFSDP and DMuonFSDP with
-    overlap_backward (NS sharing the GPU with backward, and on spare compute), for ``model``."""
+    """Predicted forward + backward + optimizer step (ms) of AdamW, DMuonFSDP, DMuonFSDP with
+    overlap_backward as shipped, and the two NS-in-backward variants (modeled only), for ``model``."""
     shapes, layers = MODELS[model], LLAMA_CONFIGS[model][0]
     per_layer = len(shapes) // layers
     layer_params = [sum(r * c for r, c in shapes[i * per_layer : (i + 1) * per_layer]) for i in range(layers)]
@@ -359,8 +412,8 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
         backward_order=True,
     )
     sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
-    optimizer = elementwise + max(plan.loads()) / (args.tflops * 1e12 * args.ns_efficiency)
-    optimizer += sent / (args.link_gbs * 1e9)
+    busiest_ns = max(plan.loads()) / (args.tflops * 1e12 * args.ns_efficiency)
+    optimizer = elementwise + busiest_ns + sent / (args.link_gbs * 1e9)
     exchange, ns = bucket_costs(plan, args)
     land_layer = [min(j // per_layer for j in b.matrices) for b in plan.buckets]
     adamw = forward + backward + elementwise
@@ -371,6 +424,9 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
         "algorithm": algorithm,
         "buckets": len(plan.buckets),
         "last_bucket_mib": last_bucket * WIRE_BYTES / 2**20,
+        "last_bucket_exchange_ms": exchange[-1] * 1e3,
+        "busiest_ns_ms": busiest_ns * 1e3,
+        "elementwise_ms": elementwise * 1e3,
         "forward_ms": forward * 1e3,
         "backward_ms": backward * 1e3,
         "fsdp_link_load": (world - 1) / world * params * 2 * WIRE_BYTES / (args.link_gbs * 1e9) / backward,
@@ -378,10 +434,22 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
         "dmuon_ms": (forward + backward + optimizer) * 1e3,
         "dmuon_over_adamw": (optimizer - elementwise) / adamw,
     }
+    layer_done = [sum(layer_seconds[layer:]) for layer in range(layers)]  # backward: last layer first
+    ready = [0.0]
+    for layer in land_layer[:-1]:  # a bucket starts once its gradients landed and the one before started
+        ready.append(max(ready[-1], layer_done[layer]))
+    last_return, path = shipped_timeline([*ready[1:], backward], exchange, ns)
+    step_end = last_return + elementwise
+    row["overlap_shipped"] = {
+        "exposed_ms": (step_end - backward) * 1e3,
+        "path_ms": {kind: seconds * 1e3 for kind, seconds in path.items()},
+        "step_ms": (forward + step_end) * 1e3,
+        "over_adamw": (forward + step_end) / adamw - 1,
+    }
     for name, shares in (("ns_shares_gpu", True), ("ns_free", False)):
         backward_end, last_return = overlap_timeline(layer_seconds, land_layer, exchange, ns, shares)
         step_end = max(backward_end, last_return) + elementwise
-        row[f"overlap_{name}"] = {
+        row[f"ns_in_backward_{name}"] = {
             "backward_delay_ms": (backward_end - backward) * 1e3,
             "exposed_ms": (step_end - backward_end) * 1e3,
             "step_ms": (forward + step_end) * 1e3,
@@ -493,20 +561,24 @@ def e2e_report(args: argparse.Namespace) -> dict:
         "AdamW ms",
         "DMuonFSDP ms",
         "vs AdamW",
-        "overlap, NS shares GPU: ms",
-        "vs AdamW",
-        "bwd delay ms",
-        "exposed ms",
-        "overlap, NS on spare compute: ms",
+        "overlap (shipped): ms",
         "vs AdamW",
         "exposed ms",
+        "element-wise ms",
+        "path: NS ms",
+        "path: last to-owners ms",
+        "path: returns ms",
+        "path: bwd to-owners spill ms",
+        "busiest rank NS ms",
         "last bucket MiB",
+        "NS in bwd (modeled only), shares GPU: vs AdamW",
+        "NS in bwd (modeled only), spare compute: vs AdamW",
     ]
     print("| " + " | ".join(header) + " |")
     print("|---|" + "---:|" * (len(header) - 1))
     for model, rows in results.items():
         for r in rows:
-            shared, free = r["overlap_ns_shares_gpu"], r["overlap_ns_free"]
+            shipped, path = r["overlap_shipped"], r["overlap_shipped"]["path_ms"]
             cells = [
                 model,
                 r["world"],
@@ -515,14 +587,15 @@ def e2e_report(args: argparse.Namespace) -> dict:
                 f"{r['adamw_ms']:.1f}",
                 f"{r['dmuon_ms']:.1f}",
                 f"{r['dmuon_over_adamw']:+.2%}",
-                f"{shared['step_ms']:.1f}",
-                f"{shared['over_adamw']:+.2%}",
-                f"{shared['backward_delay_ms']:.1f}",
-                f"{shared['exposed_ms']:.1f}",
-                f"{free['step_ms']:.1f}",
-                f"{free['over_adamw']:+.2%}",
-                f"{free['exposed_ms']:.1f}",
+                f"{shipped['step_ms']:.1f}",
+                f"{shipped['over_adamw']:+.2%}",
+                f"{shipped['exposed_ms']:.1f}",
+                f"{r['elementwise_ms']:.1f}",
+                *(f"{path[kind]:.1f}" for kind in ("NS", "last to-owners", "returns", "spill")),
+                f"{r['busiest_ns_ms']:.1f}",
                 f"{r['last_bucket_mib']:.0f}",
+                f"{r['ns_in_backward_ns_shares_gpu']['over_adamw']:+.2%}",
+                f"{r['ns_in_backward_ns_free']['over_adamw']:+.2%}",
             ]
             print("| " + " | ".join(map(str, cells)) + " |")
     return results

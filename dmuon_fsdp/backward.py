@@ -1,31 +1,29 @@
-"""A step begun in backward: each bucket's work starts as soon as FSDP2 delivers its gradients.
+"""A step begun in backward: each bucket's exchange to its owners starts as its gradients land.
 
 FSDP2 calls every ``register_post_accumulate_grad_hook`` hook of a sharded parameter right after
 its reduce-scattered (under HSDP also all-reduced) gradient is assigned (torch 2.13,
 ``foreach_reduce``). With ``DMuonFSDP(..., overlap_backward=True)`` the plan's buckets follow the
 order gradients arrive (the parameters' reverse order) and ``BackwardStart`` hooks every Muon
-parameter of the program, from the step after the one that built it:
+parameter of the program, from the step after the one that built it. Once every gradient a
+bucket reads has landed, and every earlier bucket started, the bucket *starts*: its NS inputs
+are made (the momentum buffers are only read) and its exchange to the owners is launched, on a
+side stream on accelerators. A hook never waits for anything.
 
-- a bucket *starts* once every gradient it reads has landed and every earlier bucket started:
-  its NS inputs are made (the momentum buffers are only read) and its exchange to the owners
-  is launched;
-- a started bucket is *finished* in bucket order (assembled, orthogonalized, the exchange back
-  launched): on an accelerator at once, on side streams (waiting there only orders streams);
-  on CPU once its exchange has arrived, so that a hook never blocks;
-- the last bucket never starts in backward: its exchange carries the check flags, which
-  ``run`` makes at ``step`` from the final gradients.
-
-``run`` starts and finishes the rest, reads the verdict, commits and applies, as a plain step
-does. Exchanges to owners run on a process group of their own and those back on another
-(``comm.BackwardGroups``): each sees its collectives in plan order on every rank, whenever a
-rank's hooks or its ``step`` launch them, and neither is ordered among FSDP2's collectives.
+``run`` (at ``step``) starts the rest (the last bucket always: its exchange carries the check
+flags, made from the final gradients), then, as a plain step does, finishes every bucket
+(Newton-Schulz by the owners, the exchange back), reads the verdict, commits and applies. The
+exchanges run on a process group of their own (``comm.backward_group``) in the same order on
+every rank (to the owners in bucket order, then back), whenever a rank's hooks or its ``step``
+launch them, and never among FSDP2's collectives. Newton-Schulz stays at ``step``, where every
+rank runs its share of all buckets at once: docs/design.md ("Steps begun in backward") gives
+the measurements behind that.
 
 Gradients that changed after their bucket started (``clip_grad_norm_``, ``GradScaler.unscale_``,
-a second backward accumulating into them) are seen at ``step`` from the gradients' identity and
-version counters, or from a hook firing again; the flags then ask for ``Verdict.REDO`` and
-every rank runs the step again from the final gradients, as a plain step (warned once).
-``clip_grad_norm_`` here clips as torch's does but leaves the gradients untouched when the clip
-coefficient is 1, so only the steps that do clip are redone.
+a second backward accumulating into them) are seen at ``step`` from a hook firing again, the
+gradients' identity and version counters, or their norms; the flags then ask for
+``Verdict.REDO`` and every rank runs the step again from the final gradients, as a plain step
+(warned once). ``clip_grad_norm_`` here clips as torch's does but leaves the gradients untouched
+when the clip coefficient is 1, so only the steps that do clip are redone.
 """
 
 from __future__ import annotations
@@ -65,7 +63,6 @@ class Progress:
     used: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
     norms: list[Tensor] = field(default_factory=list)
     started: int = 0
-    finished: int = 0
     to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
     from_owners: list[comm.Handle | None] = field(default_factory=list)
     hyper: int | None = None
@@ -100,34 +97,27 @@ class Progress:
         yield from self.from_owners
 
 
-class _Streams:
-    """Side streams for the work done in hooks on an accelerator (none on CPU): one makes NS
-    inputs and launches exchanges to owners, the other finishes buckets; both start after the
-    stream the hook runs on (FSDP2's reduce stream), and ``join`` orders the caller's after them."""
+class _SideStream:
+    """Where hooks work on an accelerator (nothing on CPU): a stream that starts after the one
+    the hook runs on (FSDP2's reduce stream); ``join`` orders the caller's stream after it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.module = torch.get_device_module(device) if device.type != "cpu" else None
-        if self.module is not None:
-            self.launching, self.finishing = self.module.Stream(device), self.module.Stream(device)
+        self.stream = self.module.Stream(device) if self.module is not None else None
 
     @contextmanager
-    def on(self, name: str) -> Iterator[None]:
+    def on(self) -> Iterator[None]:
         if self.module is None:
             yield
             return
-        stream = getattr(self, name)
-        stream.wait_stream(self.module.current_stream(self.device))
-        if stream is self.finishing:  # own pieces reach the stacks on the launching stream
-            stream.wait_stream(self.launching)
-        with self.module.stream(stream):
+        self.stream.wait_stream(self.module.current_stream(self.device))
+        with self.module.stream(self.stream):
             yield
 
     def join(self) -> None:
         if self.module is not None:
-            current = self.module.current_stream(self.device)
-            current.wait_stream(self.launching)
-            current.wait_stream(self.finishing)
+            self.module.current_stream(self.device).wait_stream(self.stream)
 
 
 class BackwardStart:
@@ -139,7 +129,7 @@ class BackwardStart:
         self._first: dict[int, int] = {}  # entry -> the first bucket reading its gradient
         self._readers: dict[int, list[int]] = {}  # entry -> the buckets reading its gradient
         self._groups: Sequence[dict[str, Any]] = ()
-        self._streams: _Streams | None = None
+        self._side: _SideStream | None = None
         self._progress: Progress | None = None
         self._warned = False
 
@@ -148,7 +138,7 @@ class BackwardStart:
         if program is not self._program:
             self.disarm()
             self._program, self._groups = program, groups
-            self._streams = _Streams(program.found.device)
+            self._side = _SideStream(program.found.device)
             for k, bucket in enumerate(program.buckets):
                 for i in bucket.reads:
                     self._first.setdefault(i, k)
@@ -182,13 +172,14 @@ class BackwardStart:
         self._advance(progress)
 
     def _advance(self, progress: Progress) -> None:
-        program, stats = progress.program, progress.stats
+        """Start every bucket that can start, in bucket order; never the last (``run`` does)."""
+        program = progress.program
         last = len(program.buckets) - 1
         while progress.started < last and progress.missing[progress.started] == 0:
             k = progress.started
             if progress.hyper is None:
                 progress.hyper = checks.hyper_digest(self._groups)
-            with self._streams.on("launching"), stats.phase("momentum"):
+            with self._side.on(), progress.stats.phase("momentum"):
                 program.stages[k].run(progress.grads, self._groups)
                 progress.to_owners[k] = program.launch(k)
                 read = [i for i in program.buckets[k].reads if self._first[i] == k]
@@ -196,25 +187,18 @@ class BackwardStart:
                 progress.norms += torch._foreach_norm(grads, dtype=torch.float32) if grads else []
             progress.used.update((i, (g, g._version)) for i, g in zip(read, grads))
             progress.started += 1
-        blocking = self._streams.module is None
-        while progress.finished < progress.started:
-            k = progress.finished
-            handle = progress.to_owners[k]
-            if blocking and handle is not None and not handle.done():
-                break
-            with self._streams.on("finishing"):
-                progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), stats))
-            progress.finished += 1
 
     def _settle(self, progress: Progress | None) -> None:
-        """Bring a step that will not be completed to where every rank's is: every started
-        bucket finished (their count is the same on every rank), everything waited for."""
+        """Bring a step that will not be completed to where every rank's is (whatever its hooks
+        started): every exchange launched, as a step would, and waited for; nothing committed."""
         if progress is None:
             return
         program = progress.program
-        for k in range(progress.finished, progress.started):
+        for k in range(progress.started, len(program.buckets)):
+            progress.to_owners[k] = program.launch(k)
+        for k in range(len(program.buckets)):
             progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), progress.stats))
-        for handle in progress.in_flight():
+        for handle in progress.from_owners:
             if handle is not None:
                 handle.wait()
 
@@ -232,8 +216,8 @@ class BackwardStart:
         if progress is None or progress.program is not program:
             self._settle(progress)
             progress = Progress.of(program, StepStats(program.found.device, timed=options.time_phases))
-        if self._streams is not None:
-            self._streams.join()
+        if self._side is not None:
+            self._side.join()
         verdict = _complete(progress, grads, groups, key, options, bound)
         if verdict is Verdict.REDO:
             if not self._warned:
@@ -266,11 +250,11 @@ def _complete(
     options: Options,
     bound: bool,
 ) -> Verdict:
-    """Start and finish what backward left, decide, commit and apply. Before the verdict every
-    rank has launched every exchange to owners and the exchanges back of all but the last bucket,
-    so that a step that does not go on leaves every group where every rank's is."""
+    """Start what backward left, finish every bucket, decide, commit and apply. Before the
+    verdict every rank has launched every exchange to owners and the exchanges back of all but
+    the last bucket, so that a step that does not go on leaves the group where every rank's is."""
     program, stats = progress.program, progress.stats
-    stats.started_in_backward, stats.finished_in_backward = progress.started, progress.finished
+    stats.started_in_backward = progress.started
     last = len(program.buckets) - 1
     local = program.local_grads(grads) if bound and key == program.key else None
     hyper = checks.hyper_digest(groups) if program.flags is not None else 0
@@ -283,7 +267,7 @@ def _complete(
         indicator = program.write_flags(key, hyper, local, options.nonfinite, redo, changed)
     for k in range(progress.started, last + 1):
         progress.to_owners[k] = program.launch(k)
-    for k in range(progress.finished, last):
+    for k in range(last):
         progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), stats))
     carrier = progress.to_owners[last]
     expected = program.key.digest ^ hyper

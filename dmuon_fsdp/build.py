@@ -187,19 +187,16 @@ def build_program(
         )
     if trouble:
         explain(groups, state, names, settings, shared)
-    exchange = _groups(settings)[0]  # made after the agreement: a step in backward has groups of its own
+    exchange = _group(settings)  # made after the agreement: steps begun in backward have a group of their own
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flags = FLAG_ELEMENTS if key.flags or settings.in_backward else 0
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, flags_last=settings.in_backward)
     return _bind(plan, forms, schedule, key, groups, state, settings)
 
 
-def _groups(settings: Settings) -> tuple[comm.ExchangeGroup, comm.ExchangeGroup]:
-    """The groups of the exchanges to and from the owners (the same one for a plain step)."""
-    if settings.in_backward:
-        backward = settings.site.backward
-        return backward.to_owners, backward.from_owners
-    return settings.site.group, settings.site.group
+def _group(settings: Settings) -> comm.ExchangeGroup:
+    """The group the exchanges run on."""
+    return settings.site.backward if settings.in_backward else settings.site.group
 
 
 def _bind(
@@ -376,7 +373,7 @@ class _Binder:
         """Bucket ``k``'s exchanges, stacks, copies and updates."""
         batches, matrix = self.batches(bucket.owned)
         fed = len(self.feeds)
-        to_group, from_group = (g.group for g in _groups(self.settings))
+        group = _group(self.settings).group
 
         def region(t: Transfer) -> Tensor:
             p = t.piece
@@ -385,7 +382,7 @@ class _Binder:
         def staging(transfers: Sequence[Transfer]) -> list[Tensor]:
             return _staging(transfers, self.settings.comm_dtype, self.settings.device)
 
-        to_owners = _wired(bucket.to_owners, self.settings, to_group)
+        to_owners = _wired(bucket.to_owners, self.settings, group)
         self.feeds += [(view, t, k) for t, view in to_owners.sent]
         assemble = Copies(
             [region(t) for t, _ in to_owners.received], [view for _, view in to_owners.received]
@@ -400,7 +397,7 @@ class _Binder:
             self.feeds += [(region(t), t, k) for t in own]
         reads = tuple(sorted({self.entry_of(t.matrix) for _, t, _ in self.feeds[fed:]}))
 
-        from_owners = _wired(bucket.from_owners, self.settings, from_group)
+        from_owners = _wired(bucket.from_owners, self.settings, group)
         collect = Copies([view for _, view in from_owners.sent], [region(t) for t, _ in from_owners.sent])
         returned, own = list(from_owners.received), list(bucket.own_results)
         if self.staged:

@@ -141,25 +141,14 @@ def _numbered(group: dist.ProcessGroup, ranks: list[int]) -> ExchangeGroup:
     return ExchangeGroup(group, index[dist.get_rank()], peers)
 
 
-@dataclass(frozen=True)
-class BackwardGroups:
-    """Two groups of their own over the exchange's ranks, for a step started in backward: the
-    exchanges to owners run on one, those back on the other. Each sees its exchanges in plan
-    order on every rank, whenever a rank's hooks or its ``step`` start them, and none of them
-    is ordered among the model's own collectives (FSDP2's reduce-scatters)."""
-
-    to_owners: ExchangeGroup
-    from_owners: ExchangeGroup
-
-
-def backward_groups(mesh: DeviceMesh | None) -> BackwardGroups:
-    """The ``BackwardGroups`` over the ranks of ``mesh`` (None: the default group's)."""
+def backward_group(mesh: DeviceMesh | None) -> ExchangeGroup:
+    """A group of its own over the ranks of ``mesh`` (None: the default group's), for steps begun
+    in backward: its exchanges, launched from gradient hooks, are then never ordered among the
+    model's own collectives (FSDP2's reduce-scatters), and each rank sees them in plan order."""
     if default_world_size() == 1 and mesh is None:
-        alone = ExchangeGroup(None, 0, (0,))
-        return BackwardGroups(alone, alone)
+        return ExchangeGroup(None, 0, (0,))
     ranks = mesh.mesh.flatten().tolist() if mesh is not None else list(range(dist.get_world_size()))
-    to_owners, from_owners = (_numbered(_new_group(ranks, wire), ranks) for wire in ("to", "from"))
-    return BackwardGroups(to_owners, from_owners)
+    return _numbered(_new_group(ranks, "backward"), ranks)
 
 
 class ExchangeSite:
@@ -170,7 +159,7 @@ class ExchangeSite:
     def __init__(self, mesh: DeviceMesh | None) -> None:
         self.mesh = mesh
         self._group: ExchangeGroup | None = None
-        self._backward: BackwardGroups | None = None
+        self._backward: ExchangeGroup | None = None
 
     @property
     def group(self) -> ExchangeGroup:
@@ -179,10 +168,10 @@ class ExchangeSite:
         return self._group
 
     @property
-    def backward(self) -> BackwardGroups:
-        """The groups of a step started in backward (``backward_groups``), made on first use."""
+    def backward(self) -> ExchangeGroup:
+        """The group of steps begun in backward (``backward_group``), made on first use."""
         if self._backward is None:
-            self._backward = backward_groups(self.mesh)
+            self._backward = backward_group(self.mesh)
         return self._backward
 
     @property

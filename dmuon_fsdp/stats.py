@@ -29,11 +29,10 @@ class StepStats:
     accelerators, timing synchronizes the device at every phase boundary, which removes the
     overlap of exchange and NS: time whole steps with timing off.
 
-    With ``overlap_backward``: ``started_in_backward`` and ``finished_in_backward`` count the
-    buckets whose exchange to owners (and, finished, their NS and exchange back) began in
-    backward, and ``redone`` is True when the step was redone from gradients that changed after
-    backward began it (the counts are then the redone step's, 0). Phase times include the work
-    done in hooks.
+    With ``overlap_backward``: ``started_in_backward`` counts the buckets whose NS inputs and
+    exchange to owners began in backward, and ``redone`` is True when the step was redone from
+    gradients that changed after backward began it (the count is then the redone step's, 0).
+    Phase times include the work done in hooks.
     """
 
     device: torch.device
@@ -47,7 +46,6 @@ class StepStats:
     collectives: int = 0
     skipped: bool = False
     started_in_backward: int = 0
-    finished_in_backward: int = 0
     redone: bool = False
 
     def count(

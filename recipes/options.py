@@ -91,6 +91,18 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="DMuonFSDP's Newton-Schulz form: standard, gram, or auto (Gram where it needs fewer "
         "flops: the MLP matrices) (default: standard)",
     )
+    opt.add_argument(
+        "--overlap-backward",
+        action="store_true",
+        help="DMuonFSDP starts each bucket's exchange to its owners during backward, as its gradients "
+        "land (same results); pair it with --bucket-mib of about one layer's matrices",
+    )
+    opt.add_argument(
+        "--bucket-mib",
+        type=float,
+        default=None,
+        help="DMuonFSDP's bucket size in MiB (default: DMuonFSDP's, 128)",
+    )
     opt.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     opt.add_argument("--decay", default="cosine", choices=["cosine", "linear"], help="lr decay after warm-up")
     opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
@@ -236,9 +248,14 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--replicas {args.replicas} does not divide the world size {world_size}")
     if args.data and args.text:
         raise UsageError("pass at most one of --data and --text")
-    if args.ns_algorithm is not None and args.optimizer != "dmuon":
-        raise UsageError(
-            f"--ns-algorithm applies to --optimizer dmuon only (got --optimizer {args.optimizer})"
-        )
+    for flag, given in (
+        ("--ns-algorithm", args.ns_algorithm is not None),
+        ("--overlap-backward", args.overlap_backward),
+        ("--bucket-mib", args.bucket_mib is not None),
+    ):
+        if given and args.optimizer != "dmuon":
+            raise UsageError(f"{flag} applies to --optimizer dmuon only (got --optimizer {args.optimizer})")
+    if args.bucket_mib is not None and not args.bucket_mib > 0:
+        raise UsageError(f"--bucket-mib must be positive (got {args.bucket_mib:g})")
     if args.overwrite and args.resume == "auto":
         raise UsageError("--overwrite and --resume auto contradict each other: pass one")

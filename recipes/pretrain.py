@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, comm, param_groups
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, clip_grad_norm_, comm, param_groups
 from recipes import checkpoint, options, run_dir
 from recipes.data import (
     Corpus,
@@ -124,12 +124,15 @@ def build_optimizers(args: argparse.Namespace, model: torch.nn.Module) -> list[t
         return [torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=wd)]
     groups = param_groups(model, lr=args.lr, weight_decay=wd)
     if args.optimizer == "dmuon":
+        buckets = {} if args.bucket_mib is None else {"bucket_bytes": max(1, round(args.bucket_mib * 2**20))}
         return [
             DMuonFSDP(
                 groups,
                 adamw_lr=args.adamw_lr,
                 adamw_weight_decay=wd,
                 ns_algorithm=args.ns_algorithm or "standard",
+                overlap_backward=args.overlap_backward,
+                **buckets,
             )
         ]
     muon, adamw = ([p for _, p in g["params"]] for g in groups)
@@ -207,11 +210,14 @@ def evaluate(model, batches, device) -> float:
 
 
 def gradient_norm(model: torch.nn.Module, clip: float) -> float:
-    """The global gradient norm before clipping; clips to ``clip`` when it is positive."""
+    """The global gradient norm before clipping; clips to ``clip`` when it is positive (as torch
+    does; gradients are left untouched when they are within the norm, so that a step begun in
+    backward need not be redone)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)  # takes the parameters, not the grads
+        norm = clip_grad_norm_(params, clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 

@@ -248,6 +248,14 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path, cache):
         assert abs(one["losses"][step] - two["losses"][step]) <= 1e-5 * one["losses"][step]
 
 
+def test_overlap_backward_trains_exactly_as_the_plain_step(tmp_path, cache):
+    # Gradient accumulation (no_sync on all but the last micro-batch) and clipping, as trained.
+    common = ["--steps", "4", "--grad-accum", "2", "--clip", "0.5", "--bucket-mib", "0.02"]
+    plain = run_ranks(run_recipe, 2, tmp_path / "plain", cache, common)[0]
+    overlapped = run_ranks(run_recipe, 2, tmp_path / "overlap", cache, [*common, "--overlap-backward"])[0]
+    assert overlapped["losses"] == plain["losses"]
+
+
 def test_hsdp_replicas_train_like_fsdp(tmp_path, cache):
     # (replicate 2, shard 1): each matrix orthogonalized once across the two replicas; the same
     # global batches and averaged gradients as plain FSDP over 2 ranks.

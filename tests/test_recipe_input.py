@@ -116,6 +116,12 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
             {},
             "--ns-algorithm applies to --optimizer dmuon only (got --optimizer adamw)",
         ),
+        "overlap for torch's Muon": (
+            ["--optimizer", "torch-muon", "--overlap-backward"],
+            {},
+            "--overlap-backward applies to --optimizer dmuon only (got --optimizer torch-muon)",
+        ),
+        "empty buckets": (["--bucket-mib", "0"], {}, "--bucket-mib must be positive (got 0)"),
         "token beyond the vocabulary, training": (
             ["--data", f"{root}/high.bin"],
             {},

@@ -1,0 +1,194 @@
+"""overlap_backward on an emulated link: end-to-end steps and the optimizer time left exposed.
+
+Loopback hides the network, so every ``all_to_all_single`` (only DMuonFSDP's exchanges use it;
+FSDP2 reduce-scatters and all-gathers) completes ``--latency-ms + bytes / --link-gbs`` of wall
+time after its launch at the earliest: its work's ``wait`` sleeps out the rest and
+``is_completed`` is False until then, so the delay costs no CPU. Spawned CPU ranks (gloo, one
+thread each) train the recipe model (FSDP2, one unit per block, ``param_groups``) with AdamW,
+DMuonFSDP's plain step (at its default bucket size and at ``--bucket-mib``) and with
+``overlap_backward=True`` (at ``--bucket-mib``), taking turns step by step at every latency.
+
+Reported per latency, medians over ``--steps`` (after ``--warmup``): the end-to-end step
+(forward + backward + ``step``), the exposed optimizer time (end-to-end minus AdamW's forward +
+backward at the same latency) and, with the overlap, the buckets started in backward and the
+time of its ``step()`` call (the last bucket's two exchanges and NS, and the element-wise work).
+
+    python -m benchmarks.bench_overlap --world-size 2 --latency-ms 0 10 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon_fsdp import DMuonFSDP, comm, param_groups
+from recipes.model import Transformer, preset
+
+
+class DelayedWork:
+    """A collective's work that completes no sooner than ``ready_at`` (time.monotonic)."""
+
+    def __init__(self, work: dist.Work, ready_at: float) -> None:
+        self.work, self.ready_at = work, ready_at
+
+    def wait(self, *args) -> bool:
+        self.work.wait(*args)
+        time.sleep(max(0.0, self.ready_at - time.monotonic()))
+        return True
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.ready_at and self.work.is_completed()
+
+
+class EmulatedLink:
+    """Wraps ``dist.all_to_all_single`` while ``latency_s`` is set (None: the real call)."""
+
+    def __init__(self, gbs: float) -> None:
+        self.gbs, self.latency_s, self.original = gbs, None, dist.all_to_all_single
+        dist.all_to_all_single = self.call
+
+    def call(self, output, input, output_splits=None, input_splits=None, group=None, async_op=False):
+        work = self.original(output, input, output_splits, input_splits, group=group, async_op=True)
+        if self.latency_s is None:
+            return work if async_op else work.wait()
+        moved = max(input.numel(), output.numel()) * input.element_size()
+        delayed = DelayedWork(work, time.monotonic() + self.latency_s + moved / (self.gbs * 1e9))
+        return delayed if async_op else delayed.wait()
+
+
+def contenders(cfg, mesh, bucket_bytes: int) -> dict:
+    """name -> (model, optimizer), each model sharded by FSDP2 one block per unit, alike."""
+    out = {}
+    for name in ("adamw", "dmuon", "dmuon-small-buckets", "dmuon-overlap"):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if name == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95))
+        else:
+            small = dict(bucket_bytes=bucket_bytes) if name != "dmuon" else {}
+            opt = DMuonFSDP(param_groups(model), overlap_backward=name == "dmuon-overlap", **small)
+        out[name] = (model, opt)
+    return out
+
+
+def timed_step(model, opt, tokens) -> tuple[float, float, int]:
+    """(forward + backward seconds, step seconds, buckets started in backward)."""
+    start = time.perf_counter()
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    middle = time.perf_counter()
+    opt.step()
+    end = time.perf_counter()
+    opt.zero_grad()
+    stats = getattr(opt, "last_step_stats", None)
+    return middle - start, end - middle, stats.started_in_backward if stats is not None else 0
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cfg = preset(args.preset)
+    link = EmulatedLink(args.link_gbs)
+    runs = contenders(cfg, init_device_mesh("cpu", (world,)), int(args.bucket_mib * 2**20))
+    gen = torch.Generator().manual_seed(rank)
+    samples: dict = {}
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1), generator=gen)
+        for latency in args.latency_ms:
+            link.latency_s = latency / 1000
+            for name, (model, opt) in runs.items():
+                comm.all_sum(torch.zeros(1), None)  # ranks start each contender's step together
+                result = timed_step(model, opt, tokens)
+                if step >= args.warmup:
+                    samples.setdefault((latency, name), []).append(result)
+    link.latency_s = None
+    buckets = len(runs["dmuon-overlap"][1].plan.buckets)
+    if rank == 0:
+        report(args, samples, buckets)
+    comm.all_sum(torch.zeros(1), None)
+    dist.destroy_process_group()
+
+
+def report(args: argparse.Namespace, samples: dict, buckets: int) -> None:
+    def median_ms(values) -> float:
+        return 1000 * statistics.median(values)
+
+    rows = []
+    for latency in args.latency_ms:
+        base = median_ms([fb for fb, _, _ in samples[(latency, "adamw")]])
+        for name in ("adamw", "dmuon", "dmuon-small-buckets", "dmuon-overlap"):
+            got = samples[(latency, name)]
+            e2e = median_ms([fb + st for fb, st, _ in got])
+            rows.append(
+                {
+                    "latency_ms": latency,
+                    "optimizer": name,
+                    "end_to_end_ms": round(e2e, 1),
+                    "forward_backward_ms": round(median_ms([fb for fb, _, _ in got]), 1),
+                    "step_ms": round(median_ms([st for _, st, _ in got]), 1),
+                    "exposed_ms": round(e2e - base, 1),
+                    "started_in_backward": min(s for _, _, s in got),
+                }
+            )
+    print(
+        f"preset {args.preset}, W={args.world_size}, fp32, batch {args.batch_size}, link "
+        f"{args.link_gbs} GB/s + latency per exchange; --bucket-mib {args.bucket_mib} ({buckets} buckets "
+        f"with the overlap); medians of {args.steps} steps each, taking turns"
+    )
+    columns = {
+        "latency_ms": "latency",
+        "optimizer": "optimizer",
+        "end_to_end_ms": "e2e ms",
+        "forward_backward_ms": "fwd+bwd",
+        "step_ms": "step",
+        "exposed_ms": "exposed",
+        "started_in_backward": "in bwd",
+    }
+    widths = {key: 20 if key == "optimizer" else 8 for key in columns}
+    print(" ".join(f"{label:>{widths[key]}}" for key, label in columns.items()))
+    for r in rows:
+        print(" ".join(f"{r[key]!s:>{widths[key]}}" for key in columns))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "buckets": buckets, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--preset", default="cpu-bench")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--latency-ms", type=float, nargs="+", default=[0, 10, 50])
+    parser.add_argument("--link-gbs", type=float, default=1.0, help="emulated link, GB/s per direction")
+    parser.add_argument(
+        "--bucket-mib",
+        type=float,
+        default=1.0,
+        help="buckets of the overlap and of the second plain run",
+    )
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default="runs/bench/overlap.json")
+    args = parser.parse_args()
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.world_size, port, args), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()

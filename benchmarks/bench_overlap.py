@@ -12,6 +12,8 @@ Reported per latency, medians over ``--steps`` (after ``--warmup``): the end-to-
 (forward + backward + ``step``), the exposed optimizer time (end-to-end minus AdamW's forward +
 backward at the same latency) and, with the overlap, the buckets started in backward and the
 time of its ``step()`` call (the last bucket's two exchanges and NS, and the element-wise work).
+The ``-clipped`` contenders clip every step to a norm every step exceeds (the overlap then
+redoes every step: its cost).
 
     python -m benchmarks.bench_overlap --world-size 2 --latency-ms 0 10 50
 """
@@ -33,6 +35,17 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP, comm, param_groups
 from recipes.model import Transformer, preset
+
+# The plain step at its default buckets and at --bucket-mib, the overlap at --bucket-mib; both
+# also clipped every step (torch's clip_grad_norm_, which then makes the overlap redo the step).
+CONTENDERS = (
+    "adamw",
+    "dmuon",
+    "dmuon-small-buckets",
+    "dmuon-overlap",
+    "dmuon-clipped",
+    "dmuon-overlap-clipped",
+)
 
 
 class DelayedWork:
@@ -69,7 +82,7 @@ class EmulatedLink:
 def contenders(cfg, mesh, bucket_bytes: int) -> dict:
     """name -> (model, optimizer), each model sharded by FSDP2 one block per unit, alike."""
     out = {}
-    for name in ("adamw", "dmuon", "dmuon-small-buckets", "dmuon-overlap"):
+    for name in CONTENDERS:
         torch.manual_seed(0)
         model = Transformer(cfg)
         for block in model.layers:
@@ -78,18 +91,21 @@ def contenders(cfg, mesh, bucket_bytes: int) -> dict:
         if name == "adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95))
         else:
-            small = dict(bucket_bytes=bucket_bytes) if name != "dmuon" else {}
-            opt = DMuonFSDP(param_groups(model), overlap_backward=name == "dmuon-overlap", **small)
+            small = dict(bucket_bytes=bucket_bytes) if "overlap" in name or "small" in name else {}
+            opt = DMuonFSDP(param_groups(model), overlap_backward="overlap" in name, **small)
         out[name] = (model, opt)
     return out
 
 
-def timed_step(model, opt, tokens) -> tuple[float, float, int]:
-    """(forward + backward seconds, step seconds, buckets started in backward)."""
+def timed_step(model, opt, tokens, clip: bool) -> tuple[float, float, int]:
+    """(forward + backward seconds, clip + step seconds, buckets started in backward); ``clip``:
+    torch's clip_grad_norm_ to a norm every step exceeds."""
     start = time.perf_counter()
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     middle = time.perf_counter()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     opt.step()
     end = time.perf_counter()
     opt.zero_grad()
@@ -111,7 +127,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             link.latency_s = latency / 1000
             for name, (model, opt) in runs.items():
                 comm.all_sum(torch.zeros(1), None)  # ranks start each contender's step together
-                result = timed_step(model, opt, tokens)
+                result = timed_step(model, opt, tokens, clip="clipped" in name)
                 if step >= args.warmup:
                     samples.setdefault((latency, name), []).append(result)
     link.latency_s = None
@@ -129,7 +145,7 @@ def report(args: argparse.Namespace, samples: dict, buckets: int) -> None:
     rows = []
     for latency in args.latency_ms:
         base = median_ms([fb for fb, _, _ in samples[(latency, "adamw")]])
-        for name in ("adamw", "dmuon", "dmuon-small-buckets", "dmuon-overlap"):
+        for name in CONTENDERS:
             got = samples[(latency, name)]
             e2e = median_ms([fb + st for fb, st, _ in got])
             rows.append(

@@ -35,22 +35,39 @@ DMuonFSDP(overlap_backward=True), per model and world size (default 8 64 256 102
   proportion to its parameters, last layer first; forward = half of that. Embeddings, head and
   attention-score flops are ignored (a shorter step: the optimizer's share is overstated, and
   there is less backward to hide it behind); every parameter counts as active (MoE: overstated).
-- AdamW = forward + backward + element-wise; DMuonFSDP = that + NS + exchange, as in ``step``.
-- Overlap: the plan cut in backward order (``build_plan(..., backward_order=True)``). Ranks run
-  backward layer by layer in step (FSDP's per-layer collectives); a bucket is ready when backward
-  is done with every layer holding its matrices, the last bucket only at the end of backward.
-  One link, first come first served, carries every bucket's to-owners and return all-to-all,
-  each as long as the busiest rank's larger of sent and received bytes (an owner receives its
-  matrices whole, so a bucket of few matrices is paced by their owners); an owner runs its NS
-  of a bucket once the bucket has arrived, and the return starts when its last owner is done.
-  All element-wise work (momentum, AdamW, apply) comes after the last return; exposed optimizer
-  = that end minus the end of backward. Two NS models, both printed: "NS shares GPU" (the honest
-  default: an owner runs its arrived NS at the next layer boundary and every rank then waits for
-  the slowest, so each layer is delayed by the largest NS any rank runs before it) and "NS on
-  spare compute" (NS never delays backward: the most overlapping can buy).
+- AdamW = forward + backward + element-wise (as in ``step``, after backward).
+- DMuonFSDP, no overlap credit = AdamW + NS + exchange, as in ``step`` (exchange = the busiest
+  sender's bytes of the whole step, as if every rank's link were busy the whole time).
+- Bucket pipeline (``step_timeline``): one link, one all-to-all at a time in launch order (one
+  process group), each as long as the busiest rank's larger of sent and received bytes in that
+  bucket (an owner receives its matrices whole and sends them back whole, so a bucket of few
+  matrices is paced by their owners' links: far longer in sum than the bytes-only exchange
+  above); every rank runs its owned NS of each bucket in bucket order once the bucket arrived,
+  and a bucket's return is ready when every rank is through it. "DMuonFSDP, bucket pipeline" is
+  the plain step (plan in NS order; to owners 0 and 1, then each next bucket one ahead of NS).
+- Overlap (shipped), the primary model of overlap_backward=True: the plan cut in backward order
+  (``build_plan(..., backward_order=True)``). In backward only each bucket's NS inputs (taken as
+  free) and its to-owners all-to-all run: launched once backward is done with every layer holding
+  its matrices and every earlier bucket was launched, on the link, not delaying backward. At
+  ``step`` (end of backward) the last bucket's to-owners exchange (it carries the check flags) is
+  launched, then every bucket is finished in order: the owners' NS, then its return, the returns
+  queued behind the last to-owners exchange and each other. Element-wise work (momentum commit,
+  AdamW, apply) all comes after the last return, as in the other models. Exposed = end minus the
+  end of backward; its critical path is printed by kind: NS, to-owners at step (the last
+  bucket's), returns, and spill (to-owners exchanges from backward still on the link after it).
+  The busiest rank's total NS is printed beside it (the path holds only the NS the link waits
+  on).
+- NS in backward, modeled only (not shipped; ``overlap_timeline``): each bucket's NS and return
+  also run during backward, as soon as its to-owners exchange arrived. "Shares GPU": an owner
+  runs its arrived NS at the next layer boundary and every rank then waits for the slowest, so
+  each layer is delayed by the largest NS any rank runs before it; "spare compute": NS never
+  delays backward (the most overlapping can buy). All element-wise work after the last return.
 - Not modelled: FSDP's own all-gathers and reduce-scatters, neither on compute (folded into
-  --mfu) nor on the link; the "FSDP link load" column is their bf16 bytes over the link time of
-  backward: near 100% at the defaults, leaving no room for DMuonFSDP's exchanges beside them.
+  --mfu) nor on the link, nor the delay of a gradient's landing behind its reduce-scatter; the
+  "FSDP link load" column is their bf16 bytes over the link time of backward: near 100% at the
+  defaults, leaving little room for DMuonFSDP's exchanges in backward beside them (the shipped
+  model's backward exchanges, and more so the NS-in-backward models, are optimistic there).
+  Intra-node links (NVLink) are not faster than --link-gbs here.
 
     python -m benchmarks.simulate_scale --gpu h200
     python -m benchmarks.simulate_scale --report balance --world-sizes 8 16 64
@@ -271,8 +288,9 @@ def overlap_timeline(
     ns: list[dict[int, float]],
     ns_shares_gpu: bool,
 ) -> tuple[float, float]:
-    """(end of backward, end of the last return exchange) of the overlap_backward bucket pipeline,
-    seconds from the start of backward.
+    """(end of backward, end of the last return exchange) of the NS-in-backward variant of
+    overlap_backward (modeled only, not shipped: see ``step_timeline``), seconds from the start
+    of backward.
 
     Backward runs ``layer_seconds`` from the last layer to the first, in step on every rank (FSDP's
     per-layer collectives). Bucket k (``exchange[k]``, ``ns[k]`` from ``bucket_costs``) is ready
@@ -339,22 +357,27 @@ def overlap_timeline(
     return clock, last_return
 
 
-def shipped_timeline(
-    ready: list[float], exchange: list[float], ns: list[dict[int, float]]
+def step_timeline(
+    backward_end: float,
+    exchange: list[float],
+    ns: list[dict[int, float]],
+    started: list[float] | None = None,
 ) -> tuple[float, dict[str, float]]:
-    """(end of the last return exchange, its critical path after backward by kind) of the shipped
-    overlap_backward step, seconds from the start of backward.
+    """(end of the last return exchange, its critical path after backward by kind) of a step's
+    bucket pipeline, seconds from the start of backward; ``exchange[k]``, ``ns[k]`` from
+    ``bucket_costs``.
 
-    ``ready[k]``: when bucket k's to-owners exchange is launched (all but the last: once its
-    gradients have landed and every earlier bucket started, during backward; the last: at
-    ``step``, ``ready[-1]`` = the end of backward). One link, in launch order (one process group:
-    every to-owners exchange, then the returns in bucket order), carries each all-to-all for
-    ``exchange[k]`` seconds. At ``step`` every rank runs, bucket by bucket, the NS of the matrices
-    it owns in it (``ns[k]``) once the bucket has arrived; bucket k's return is launched once every
-    rank is through bucket k. The path: "NS", "last to-owners", "returns" and "spill" (to-owners
-    exchanges launched in backward still on the link after it), summing to the end minus backward.
+    One link carries each all-to-all for ``exchange[k]`` seconds, one at a time in launch order
+    (one process group), none before it is ready. At ``step`` (from ``backward_end``) every rank
+    runs, bucket by bucket, the NS of the matrices it owns in it once the bucket has arrived;
+    bucket k's return is ready once every rank is through bucket k. ``started`` None: a plain step
+    (``overlap=True``): buckets 0 and 1 go to their owners at ``step``, then each next one just
+    before a rank finishes the one before it (to 0, to 1, back 0, to 2, back 1, ...). ``started``:
+    overlap_backward as shipped: the to-owners exchange of every bucket but the last is launched
+    in backward at ``started[k]``, the last bucket's at ``step``, then every return. The path's
+    kinds: "NS", "to-owners at step", "returns" and "spill" (to-owners exchanges launched in
+    backward still on the link after it); they sum to the end minus ``backward_end``.
     """
-    backward_end = ready[-1]
     starts, ends, preds, kinds = [backward_end], [backward_end], [-1], [""]  # event 0: end of backward
 
     def event(start: float, pred: int, seconds: float, kind: str) -> int:
@@ -373,18 +396,24 @@ def shipped_timeline(
         link = event(at, pred, exchange[k], kind)
         return link
 
-    arrived = [transfer(t, -1, k, "spill") for k, t in enumerate(ready[:-1])]
-    arrived.append(transfer(backward_end, 0, len(ready) - 1, "last to-owners"))
+    buckets = len(ns)
+    arrived: dict[int, int] = {}  # bucket: event of its arrival at the owners
+    if started is not None:
+        arrived.update((k, transfer(t, -1, k, "spill")) for k, t in enumerate(started))
+    for k in range(len(arrived), min(len(arrived) + 1 if started is not None else 2, buckets)):
+        arrived[k] = transfer(backward_end, 0, k, "to-owners at step")
     done: dict[int, int] = {}  # rank: event of its latest NS (0: none yet)
     latest = 0  # the latest of those over every rank
     for k, owned in enumerate(ns):
+        if k + 1 < buckets and k + 1 not in arrived:
+            arrived[k + 1] = transfer(backward_end, 0, k + 1, "to-owners at step")
         for owner, seconds in owned.items():
             pred = max(done.get(owner, 0), arrived[k], key=ends.__getitem__)
             done[owner] = event(ends[pred], pred, seconds, "NS")
             latest = max(latest, done[owner], key=ends.__getitem__)
         pred = max(latest, arrived[k], key=ends.__getitem__)
         transfer(ends[pred], pred, k, "returns")
-    path = dict.fromkeys(("NS", "last to-owners", "returns", "spill"), 0.0)
+    path = dict.fromkeys(("NS", "to-owners at step", "returns", "spill"), 0.0)
     e = link
     while e >= 0 and ends[e] > backward_end:
         path[kinds[e]] += ends[e] - max(starts[e], backward_end)
@@ -438,14 +467,19 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
     ready = [0.0]
     for layer in land_layer[:-1]:  # a bucket starts once its gradients landed and the one before started
         ready.append(max(ready[-1], layer_done[layer]))
-    last_return, path = shipped_timeline([*ready[1:], backward], exchange, ns)
-    step_end = last_return + elementwise
-    row["overlap_shipped"] = {
-        "exposed_ms": (step_end - backward) * 1e3,
-        "path_ms": {kind: seconds * 1e3 for kind, seconds in path.items()},
-        "step_ms": (forward + step_end) * 1e3,
-        "over_adamw": (forward + step_end) / adamw - 1,
-    }
+    plain = plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps)
+    for name, timeline in (
+        ("plain_pipelined", step_timeline(backward, *bucket_costs(plain, args))),
+        ("overlap_shipped", step_timeline(backward, exchange, ns, ready[1:])),
+    ):
+        last_return, path = timeline
+        step_end = last_return + elementwise
+        row[name] = {
+            "exposed_ms": (step_end - backward) * 1e3,
+            "path_ms": {kind: seconds * 1e3 for kind, seconds in path.items()},
+            "step_ms": (forward + step_end) * 1e3,
+            "over_adamw": (forward + step_end) / adamw - 1,
+        }
     for name, shares in (("ns_shares_gpu", True), ("ns_free", False)):
         backward_end, last_return = overlap_timeline(layer_seconds, land_layer, exchange, ns, shares)
         step_end = max(backward_end, last_return) + elementwise
@@ -559,14 +593,16 @@ def e2e_report(args: argparse.Namespace) -> dict:
         "fwd + bwd ms",
         "FSDP link load in bwd",
         "AdamW ms",
-        "DMuonFSDP ms",
+        "DMuonFSDP, no overlap credit: ms",
+        "vs AdamW",
+        "DMuonFSDP, bucket pipeline: ms",
         "vs AdamW",
         "overlap (shipped): ms",
         "vs AdamW",
         "exposed ms",
         "element-wise ms",
         "path: NS ms",
-        "path: last to-owners ms",
+        "path: to-owners at step ms",
         "path: returns ms",
         "path: bwd to-owners spill ms",
         "busiest rank NS ms",
@@ -587,11 +623,13 @@ def e2e_report(args: argparse.Namespace) -> dict:
                 f"{r['adamw_ms']:.1f}",
                 f"{r['dmuon_ms']:.1f}",
                 f"{r['dmuon_over_adamw']:+.2%}",
+                f"{r['plain_pipelined']['step_ms']:.1f}",
+                f"{r['plain_pipelined']['over_adamw']:+.2%}",
                 f"{shipped['step_ms']:.1f}",
                 f"{shipped['over_adamw']:+.2%}",
                 f"{shipped['exposed_ms']:.1f}",
                 f"{r['elementwise_ms']:.1f}",
-                *(f"{path[kind]:.1f}" for kind in ("NS", "last to-owners", "returns", "spill")),
+                *(f"{path[kind]:.1f}" for kind in ("NS", "to-owners at step", "returns", "spill")),
                 f"{r['busiest_ns_ms']:.1f}",
                 f"{r['last_bucket_mib']:.0f}",
                 f"{r['ns_in_backward_ns_shares_gpu']['over_adamw']:+.2%}",

@@ -343,3 +343,41 @@ def test_one_process_closures_schedulers_and_zero_grad_modes(set_to_none):
     assert compare(runs) == []
     assert all(started > 0 and not redone for _, started, redone in history[1:])
     assert runs[0][1].state_dict()["param_groups"] == runs[1][1].state_dict()["param_groups"]
+
+
+def reloaded_between_backward_and_step(rank, world_size):
+    runs = pair(sharded)
+
+    def step_fn(model, opt, step):
+        loss = model(inputs(step)).pow(2).sum()
+        loss.backward()
+        if step == 2:  # the program is bound anew: what backward started is settled, then redone
+            opt.load_state_dict(opt.state_dict())
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    history = train(runs, step_fn)
+    return compare(runs), history
+
+
+def test_state_loaded_between_backward_and_step_settles_what_backward_started():
+    for differing, history in run_ranks(reloaded_between_backward_and_step, 2):
+        assert differing == []
+        assert history[2][1] == 0 and history[3][1] > 0  # step 2 ran plainly, step 3 in backward again
+
+
+def divergent_option(rank, world_size):
+    model = sharded()
+    opt = DMuonFSDP(model.parameters(), bucket_bytes=BUCKET, overlap_backward=rank == 0)
+    model(inputs(0)).pow(2).sum().backward()
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_overlap_backward_on_some_ranks_only_raises_on_every_rank():
+    messages = run_ranks(divergent_option, 2, timeout=120, pg_timeout=30)
+    assert all(m is not None and "overlap_backward" in m for m in messages)

@@ -249,8 +249,9 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path, cache):
 
 
 def test_overlap_backward_trains_exactly_as_the_plain_step(tmp_path, cache):
-    # Gradient accumulation (no_sync on all but the last micro-batch) and clipping, as trained.
+    # Gradient accumulation (no_sync on all but the last micro-batch), clipping and QK-clip, as trained.
     common = ["--steps", "4", "--grad-accum", "2", "--clip", "0.5", "--bucket-mib", "0.02"]
+    common += ["--qk-clip", "0.03"]
     plain = run_ranks(run_recipe, 2, tmp_path / "plain", cache, common)[0]
     overlapped = run_ranks(run_recipe, 2, tmp_path / "overlap", cache, [*common, "--overlap-backward"])[0]
     assert overlapped["losses"] == plain["losses"]

@@ -33,11 +33,13 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dmuon_fsdp import DMuonFSDP, comm, param_groups
+from dmuon_fsdp import DMuonFSDP, clip_grad_norm_, comm, param_groups
 from recipes.model import Transformer, preset
 
 # The plain step at its default buckets and at --bucket-mib, the overlap at --bucket-mib; both
-# also clipped every step (torch's clip_grad_norm_, which then makes the overlap redo the step).
+# also clipped every step, which makes the overlap redo every step: clipped with
+# dmuon_fsdp.clip_grad_norm_ (the redo is known on the host: the first attempt skips its NS) and
+# with torch's (seen only on the device: the first attempt runs its NS).
 CONTENDERS = (
     "adamw",
     "dmuon",
@@ -45,7 +47,13 @@ CONTENDERS = (
     "dmuon-overlap",
     "dmuon-clipped",
     "dmuon-overlap-clipped",
+    "dmuon-overlap-torch-clip",
 )
+CLIPS = {
+    "dmuon-clipped": torch.nn.utils.clip_grad_norm_,
+    "dmuon-overlap-clipped": clip_grad_norm_,
+    "dmuon-overlap-torch-clip": torch.nn.utils.clip_grad_norm_,
+}
 
 
 class DelayedWork:
@@ -97,15 +105,15 @@ def contenders(cfg, mesh, bucket_bytes: int) -> dict:
     return out
 
 
-def timed_step(model, opt, tokens, clip: bool) -> tuple[float, float, int]:
+def timed_step(model, opt, tokens, clip) -> tuple[float, float, int]:
     """(forward + backward seconds, clip + step seconds, buckets started in backward); ``clip``:
-    torch's clip_grad_norm_ to a norm every step exceeds."""
+    None, or a clip_grad_norm_ to call with a norm every step exceeds."""
     start = time.perf_counter()
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     middle = time.perf_counter()
-    if clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    if clip is not None:
+        clip(model.parameters(), 1e-3)
     opt.step()
     end = time.perf_counter()
     opt.zero_grad()
@@ -127,7 +135,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             link.latency_s = latency / 1000
             for name, (model, opt) in runs.items():
                 comm.all_sum(torch.zeros(1), None)  # ranks start each contender's step together
-                result = timed_step(model, opt, tokens, clip="clipped" in name)
+                result = timed_step(model, opt, tokens, CLIPS.get(name))
                 if step >= args.warmup:
                     samples.setdefault((latency, name), []).append(result)
     link.latency_s = None

@@ -68,6 +68,10 @@ DMuonFSDP(overlap_backward=True), per model and world size (default 8 64 256 102
   defaults, leaving little room for DMuonFSDP's exchanges in backward beside them (the shipped
   model's backward exchanges, and more so the NS-in-backward models, are optimistic there).
   Intra-node links (NVLink) are not faster than --link-gbs here.
+- ``--bucket-cut per-owner`` (simulation only, not what the planner ships): both plans re-cut in
+  the same matrix order so that --bucket-mib bounds the bytes any one owner receives (its owned
+  matrices, whole) in a bucket instead of the bucket's total bytes (``cut_per_owner``); more
+  owners share each bucket's exchange, fewer and larger buckets. Default ``total``: the planner's.
 
     python -m benchmarks.simulate_scale --gpu h200
     python -m benchmarks.simulate_scale --report balance --world-sizes 8 16 64
@@ -78,6 +82,7 @@ DMuonFSDP(overlap_backward=True), per model and world size (default 8 64 256 102
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 from collections import defaultdict
@@ -93,7 +98,7 @@ from dmuon_fsdp.newton_schulz import (
     resolve_coefficients,
     segments_flops,
 )
-from dmuon_fsdp.planner import Plan, assignment_lower_bound, build_plan, makespan_lower_bound
+from dmuon_fsdp.planner import Bucket, Plan, assignment_lower_bound, build_plan, makespan_lower_bound
 
 
 def llama_matrices(layers: int, dim: int, kv_dim: int, ffn: int, experts: int = 0) -> list[tuple[int, int]]:
@@ -257,6 +262,32 @@ def hsdp(shapes: list[tuple[int, int]], replicas: int, shards: int) -> dict:
         "a2a + all-gather": {**_spread(two_step), "ns_gflop": busiest},
         "gather-all": {**_spread(gather_all), "ns_gflop": sum(costs) / 1e9},
     }
+
+
+def cut_per_owner(plan: Plan, bucket_bytes: int) -> Plan:
+    """``plan`` with its buckets re-cut, in the same matrix order (its buckets' concatenation), so
+    that no owner's matrices in a bucket (bf16 bytes, whole) exceed ``bucket_bytes``: a matrix
+    joins the current bucket unless its owner already has something there and the two together
+    would exceed ``bucket_bytes``; then the bucket is closed and the matrix starts the next one (a
+    matrix larger than ``bucket_bytes`` joins where its owner has nothing yet)."""
+    buckets: list[Bucket] = []
+    current: list[int] = []
+    owned: dict[int, int] = defaultdict(int)  # owner: bytes of its matrices in ``current``
+    for j in (j for bucket in plan.buckets for j in bucket.matrices):
+        owner, size = plan.owners[j], plan.matrices[j].numel * WIRE_BYTES
+        if owned[owner] and owned[owner] + size > bucket_bytes:
+            buckets.append(Bucket(tuple(current)))
+            current, owned = [], defaultdict(int)
+        current.append(j)
+        owned[owner] += size
+    if current:
+        buckets.append(Bucket(tuple(current)))
+    return dataclasses.replace(plan, buckets=tuple(buckets))
+
+
+def cut(plan: Plan, args: argparse.Namespace) -> Plan:
+    """``plan`` as --bucket-cut has it: the planner's buckets (total) or ``cut_per_owner``'s."""
+    return cut_per_owner(plan, args.bucket_mib * 2**20) if args.bucket_cut == "per-owner" else plan
 
 
 def bucket_costs(plan: Plan, args: argparse.Namespace) -> tuple[list[float], list[dict[int, float]]]:
@@ -432,13 +463,16 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
     backward, forward = sum(layer_seconds), sum(layer_seconds) / 2
     elementwise = elementwise_seconds(params, world, args)
     algorithm = args.ns_algorithms[0]
-    plan = build_plan(
-        row_sharded(shapes, world),
-        ns_costs(shapes, algorithm, args.ns_steps),
-        world,
-        args.bucket_mib * 2**20,
-        WIRE_BYTES,
-        backward_order=True,
+    plan = cut(
+        build_plan(
+            row_sharded(shapes, world),
+            ns_costs(shapes, algorithm, args.ns_steps),
+            world,
+            args.bucket_mib * 2**20,
+            WIRE_BYTES,
+            backward_order=True,
+        ),
+        args,
     )
     sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
     busiest_ns = max(plan.loads()) / (args.tflops * 1e12 * args.ns_efficiency)
@@ -467,7 +501,7 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
     ready = [0.0]
     for layer in land_layer[:-1]:  # a bucket starts once its gradients landed and the one before started
         ready.append(max(ready[-1], layer_done[layer]))
-    plain = plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps)
+    plain = cut(plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps), args)
     for name, timeline in (
         ("plain_pipelined", step_timeline(backward, *bucket_costs(plain, args))),
         ("overlap_shipped", step_timeline(backward, exchange, ns, ready[1:])),
@@ -585,7 +619,9 @@ def e2e_report(args: argparse.Namespace) -> dict:
         f"## Predicted training step (forward + backward + optimizer), {args.gpu}: {args.tflops:g} TFLOP/s, "
         f"MFU {args.mfu:g}, NS at {args.ns_efficiency:g} of peak ({args.ns_algorithms[0]}), "
         f"{args.tokens_per_rank} tokens per rank, {args.link_gbs:g} GB/s link, {args.hbm_gbs:g} GB/s HBM, "
-        f"{args.bucket_mib} MiB buckets\n"
+        f"{args.bucket_mib} MiB buckets"
+        + (" per owner (--bucket-cut per-owner)" if args.bucket_cut == "per-owner" else "")
+        + "\n"
     )
     header = [
         "model",
@@ -665,6 +701,12 @@ def main() -> None:
         help="DMuonFSDP's ns_algorithm, one predicted step per entry",
     )
     parser.add_argument("--bucket-mib", type=int, default=128)
+    parser.add_argument(
+        "--bucket-cut",
+        default="total",
+        choices=["total", "per-owner"],
+        help="e2e: --bucket-mib bounds a bucket's total bytes (the planner's) or each owner's in it",
+    )
     parser.add_argument(
         "--world-sizes", type=int, nargs="+", default=None, help="default: 8 16 ... 1024 (e2e: 8 64 256 1024)"
     )

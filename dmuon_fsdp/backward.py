@@ -197,7 +197,8 @@ class BackwardStart:
         for k in range(progress.started, len(program.buckets)):
             progress.to_owners[k] = program.launch(k)
         for k in range(len(program.buckets)):
-            progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), progress.stats))
+            handle = progress.to_owners.pop(k)
+            progress.from_owners.append(program.finish(k, handle, progress.stats, discarded=True))
         for handle in progress.from_owners:
             if handle is not None:
                 handle.wait()
@@ -267,8 +268,8 @@ def _complete(
         indicator = program.write_flags(key, hyper, local, options.nonfinite, redo, changed)
     for k in range(progress.started, last + 1):
         progress.to_owners[k] = program.launch(k)
-    for k in range(last):
-        progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), stats))
+    for k in range(last):  # a rank that knows it will ask for a redo skips the NS
+        progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), stats, discarded=redo))
     carrier = progress.to_owners[last]
     expected = program.key.digest ^ hyper
     verdict = program.verdict(carrier, expected, local, indicator, options, stats, redo, changed)

@@ -170,6 +170,48 @@ def nonfinite_indicator(grads: list[Tensor], found: Tensor, one: Tensor) -> Tens
     return found
 
 
+@dataclass
+class Flags:
+    """Where the flags sit in the buffers of the exchange carrying them: (peers, FLAG_ELEMENTS),
+    at the head of every segment (``dmuon_fsdp.schedule``), and this rank's flags when nothing is
+    wrong here (``values``, comm dtype, on the device) for the digest they were made for: made
+    anew only when the per-step options change (``hyper_digest``)."""
+
+    send: Tensor
+    receive: Tensor
+    nonfinite: Tensor  # the non-finite slot of each send segment: (peers,)
+    redo: Tensor  # and the redo slot
+    dtype: torch.dtype  # the exchange's
+    digest: int = -1
+    values: Tensor | None = None
+
+    @classmethod
+    def bind(cls, first: comm.Exchange, digest: int) -> Flags:
+        """The flags' positions in ``first``, with the flags of ``digest`` in every send segment."""
+        device = first.send.device
+
+        def heads(counts: list[int]) -> Tensor:
+            starts = torch.tensor([sum(counts[:g]) for g in range(len(counts))], dtype=torch.int64)
+            return (starts[:, None] + torch.arange(FLAG_ELEMENTS)).to(device)
+
+        send = heads(first.send_counts)
+        slot = {
+            name: send[:, i].contiguous() for name, i in (("nonfinite", NONFINITE_SLOT), ("redo", REDO_SLOT))
+        }
+        flags = cls(send, heads(first.receive_counts), slot["nonfinite"], slot["redo"], first.send.dtype)
+        first.send.index_put_((flags.send,), flags.values_for(digest))
+        return flags
+
+    def values_for(self, digest: int) -> Tensor:
+        """This rank's flags for ``digest`` with nothing wrong here (the last ones, when unchanged)."""
+        if digest != self.digest:
+            values = torch.tensor(encode(digest, invalid=False), dtype=self.dtype)
+            if self.send.device.type != "cpu":  # pinned, so that the copy does not block the host
+                values = values.pin_memory().to(self.send.device, non_blocking=True)
+            self.digest, self.values = digest, values
+        return self.values
+
+
 def stale_layouts(params: Sequence[Tensor], state: Any) -> set[Tensor]:
     """Parameters whose local shard no longer matches their state (resharded or resized)."""
     return {

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from dmuon_fsdp import build, comm, swaps, validation
 from dmuon_fsdp.backward import BackwardStart
+from dmuon_fsdp.bind import Settings
 from dmuon_fsdp.build import ProgramCache
 from dmuon_fsdp.checks import StepKey, Verdict
 from dmuon_fsdp.elementwise import initial_state, restore_state
@@ -286,11 +287,11 @@ class DMuonFSDP(Optimizer):
             self._backward.arm(program, groups, options.time_phases)  # for the next backward
         return verdict
 
-    def _settings(self) -> build.Settings:
+    def _settings(self) -> Settings:
         options = self._options
         device = self._params[0].device if self._params else torch.device("cpu")
         ns_dtype = options.ns_dtype or default_ns_dtype(device)
-        return build.Settings(
+        return Settings(
             self._site,
             device,
             ns_dtype,

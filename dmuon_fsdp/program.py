@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from dmuon_fsdp import checks, comm, elementwise
-from dmuon_fsdp.checks import StepKey, Verdict
+from dmuon_fsdp.checks import Flags, StepKey, Verdict
 from dmuon_fsdp.layouts import local_shard
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
 from dmuon_fsdp.planner import Plan
@@ -166,49 +166,6 @@ class AdamWLists:
     kernel: dict[str, bool]
 
 
-@dataclass
-class Flags:
-    """Where the check flags sit in the buffers of the exchange carrying them: (peers, FLAG_ELEMENTS), at the
-    head of every segment (``dmuon_fsdp.schedule``), and this rank's flags when nothing is wrong
-    here (``values``, comm dtype, on the device) for the digest they were made for: made anew
-    only when the per-step options change (``checks.hyper_digest``)."""
-
-    send: Tensor
-    receive: Tensor
-    nonfinite: Tensor  # the non-finite slot of each send segment: (peers,)
-    redo: Tensor  # and the redo slot
-    dtype: torch.dtype  # the exchange's
-    digest: int = -1
-    values: Tensor | None = None
-
-    @classmethod
-    def bind(cls, first: comm.Exchange, digest: int) -> Flags:
-        """The flags' positions in ``first``, with the flags of ``digest`` in every send segment."""
-        device = first.send.device
-
-        def heads(counts: list[int]) -> Tensor:
-            starts = torch.tensor([sum(counts[:g]) for g in range(len(counts))], dtype=torch.int64)
-            return (starts[:, None] + torch.arange(checks.FLAG_ELEMENTS)).to(device)
-
-        send = heads(first.send_counts)
-        slot = {
-            name: send[:, i].contiguous()
-            for name, i in (("nonfinite", checks.NONFINITE_SLOT), ("redo", checks.REDO_SLOT))
-        }
-        flags = cls(send, heads(first.receive_counts), slot["nonfinite"], slot["redo"], first.send.dtype)
-        first.send.index_put_((flags.send,), flags.values_for(digest))
-        return flags
-
-    def values_for(self, digest: int) -> Tensor:
-        """This rank's flags for ``digest`` with nothing wrong here (the last ones, when unchanged)."""
-        if digest != self.digest:
-            values = torch.tensor(checks.encode(digest, invalid=False), dtype=self.dtype)
-            if self.send.device.type != "cpu":  # pinned, so that the copy does not block the host
-                values = values.pin_memory().to(self.send.device, non_blocking=True)
-            self.digest, self.values = digest, values
-        return self.values
-
-
 @dataclass(frozen=True)
 class StepProgram:
     """Everything a step of one plan needs on this rank. ``entries`` are the parameters with a
@@ -296,12 +253,17 @@ class StepProgram:
         exchange = self.buckets[k].to_owners
         return comm.launch(exchange) if exchange is not None else None
 
-    def finish(self, k: int, arriving: comm.Handle | None, stats: StepStats) -> comm.Handle | None:
+    def finish(
+        self, k: int, arriving: comm.Handle | None, stats: StepStats, discarded: bool = False
+    ) -> comm.Handle | None:
         """Wait for bucket ``k``'s pieces, orthogonalize the matrices owned here and start the
-        exchange back from the owners; returns its handle."""
+        exchange back from the owners; returns its handle. ``discarded``: the results will not
+        be used (only the exchanges run, so that every rank's stay in step)."""
         bucket = self.buckets[k]
         with stats.phase("wait"):
             wait(arriving)
+        if discarded:
+            return comm.launch(bucket.from_owners) if bucket.from_owners is not None else None
         with stats.phase("assemble"):
             bucket.assemble.run()
         with stats.phase("newton_schulz"):

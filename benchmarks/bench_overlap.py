@@ -10,10 +10,11 @@ DMuonFSDP's plain step (at its default bucket size and at ``--bucket-mib``) and 
 
 Reported per latency, medians over ``--steps`` (after ``--warmup``): the end-to-end step
 (forward + backward + ``step``), the exposed optimizer time (end-to-end minus AdamW's forward +
-backward at the same latency) and, with the overlap, the buckets started in backward and the
-time of its ``step()`` call (the last bucket's two exchanges and NS, and the element-wise work).
-The ``-clipped`` contenders clip every step to a norm every step exceeds (the overlap then
-redoes every step: its cost).
+backward, whose median over every latency is the baseline: AdamW moves nothing on the link),
+the time of the ``step()`` call and the buckets started in backward. The clipped contenders
+clip every step to a norm every step exceeds, so the overlap redoes every step: its cost, with
+``dmuon_fsdp.clip_grad_norm_`` (the redo known on the host) and with torch's (seen on the
+device only).
 
     python -m benchmarks.bench_overlap --world-size 2 --latency-ms 0 10 50
 """
@@ -150,9 +151,10 @@ def report(args: argparse.Namespace, samples: dict, buckets: int) -> None:
     def median_ms(values) -> float:
         return 1000 * statistics.median(values)
 
+    # AdamW runs no all-to-all: its forward + backward over every latency is one baseline.
+    base = median_ms([fb for latency in args.latency_ms for fb, _, _ in samples[(latency, "adamw")]])
     rows = []
     for latency in args.latency_ms:
-        base = median_ms([fb for fb, _, _ in samples[(latency, "adamw")]])
         for name in CONTENDERS:
             got = samples[(latency, name)]
             e2e = median_ms([fb + st for fb, st, _ in got])

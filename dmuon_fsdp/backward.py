@@ -137,7 +137,7 @@ class BackwardStart:
         """Hook ``program``'s parameters (once per program) and expect the next backward."""
         if program is not self._program:
             self.disarm()
-            self._program, self._groups = program, groups
+            self._program = program
             self._side = _SideStream(program.found.device)
             for k, bucket in enumerate(program.buckets):
                 for i in bucket.reads:
@@ -147,6 +147,7 @@ class BackwardStart:
             for i in self._readers:
                 param = program.entries[i].param
                 self._hooks.append(param.register_post_accumulate_grad_hook(partial(_landed, me, i)))
+        self._groups = groups  # the optimizer's list (a load may replace it)
         self._progress = Progress.of(program, StepStats(program.found.device, timed=timed))
 
     def disarm(self) -> None:
@@ -157,6 +158,7 @@ class BackwardStart:
         self._hooks, self._first, self._readers = [], {}, {}
         self._program, self._progress = None, None
 
+    @torch.no_grad()
     def landed(self, i: int, param: Tensor) -> None:
         """Entry ``i``'s gradient was assigned (a hook)."""
         progress = self._progress

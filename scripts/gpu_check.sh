@@ -2,7 +2,8 @@
 # GPU checks, one command on a CUDA machine (uses its python3 and torch, no install):
 # correctness against the float64 reference on NCCL, Newton-Schulz throughput, the optimizer
 # benchmark on the 124M preset, standard against Gram Newton-Schulz (per shape in bf16, and the
-# 124M step with ns_algorithm="auto"), a short pretraining run, and the layout tests under this torch.
+# 124M step with ns_algorithm="auto"), a short pretraining run (AdamW, DMuonFSDP, DMuonFSDP with
+# --overlap-backward), and the layout tests under this torch.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,4 +24,8 @@ for opt in dmuon adamw; do
     step 150 torchrun --standalone --nproc-per-node "$GPUS" -m recipes.pretrain --preset 124m --optimizer $opt \
         --steps 60 --val-every 30 --no-progress --run-dir "$OUT/pretrain_$opt"
 done
+# overlap_backward: the same run with each layer's exchange started in backward (about 14 MiB of
+# bf16 Muon matrices per 124m layer)
+step 150 torchrun --standalone --nproc-per-node "$GPUS" -m recipes.pretrain --preset 124m --optimizer dmuon \
+    --overlap-backward --bucket-mib 16 --steps 60 --val-every 30 --no-progress --run-dir "$OUT/pretrain_dmuon_overlap"
 step 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_meshes.py tests/test_layouts.py tests/test_single_process.py

@@ -3,12 +3,13 @@
 A step is identified by its ``StepKey``: which parameters have gradients, the Muon groups'
 structural options and whether check flags travel. Nothing here is a collective of its own on
 the hot path: each rank ``encode``s its findings as ``FLAG_ELEMENTS`` numbers that ride in the
-step's first all-to-all, one per peer, and ``decide`` turns their element-wise maximum over the
-ranks into the same ``Verdict`` everywhere: go on, skip the step, rebuild (every rank's key
-changed the same way), redo the step from the start (a step begun in backward whose gradients
-changed afterwards, see ``dmuon_fsdp.backward``), or explain. Only to explain does ``explain``
-share each rank's per-parameter findings (a second collective), so that every rank raises the
-same error naming parameters and ranks. When a program is built, ``agree_on_plan`` is the one ``all_reduce``.
+step's first all-to-all (its last, for a step begun in backward), one per peer, and ``decide``
+turns their element-wise maximum over the ranks into the same ``Verdict`` everywhere: go on,
+skip the step, rebuild (every rank's key changed the same way), redo the step from the start (a
+step begun in backward whose gradients changed afterwards, see ``dmuon_fsdp.backward``), or
+explain. Only to explain does ``explain`` share each rank's per-parameter findings (a second
+collective), so that every rank raises the same error naming parameters and ranks. When a
+program is built, ``agree_on_plan`` is the one ``all_reduce``.
 
 Flags, per rank: [invalid, non-finite, redo, d0..d3, -d0..-d3]. Invalid is 1 for a sparse or
 misshapen gradient or a parameter whose layout changed; non-finite is 1 when a gradient holds inf
@@ -92,7 +93,7 @@ class StepKey:
 
     has_grad: tuple[bool, ...]  # per optimizer parameter, in optimizer order
     options: tuple[tuple[Any, ...], ...]  # per Muon group, its ``STRUCTURAL`` values
-    flags: bool  # whether check flags travel in the first exchange
+    flags: bool  # whether check flags travel (with a check on)
 
     @classmethod
     def of(cls, groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], flags: bool) -> StepKey:

@@ -4,9 +4,9 @@ Pure: no tensors and no collectives; the one place the wire format is worked out
 the exchange *to owners* brings each owner one copy of every piece of the matrices it owns (from
 the owner's replica), and the exchange *from owners* brings every holder, replicas included, its
 piece of each orthogonalized matrix. Each is one ``all_to_all_single`` whose buffer holds one
-segment per peer in process-group order; a segment is ``flags`` check elements (in the step's
-first exchange only, own segment included; see ``dmuon_fsdp.checks``) followed by the pieces in
-bucket order. Pieces that stay on this rank never enter a buffer (``own_pieces``,
+segment per peer in process-group order; a segment is ``flags`` check elements (in the
+exchange that carries them only, own segment included; see ``dmuon_fsdp.checks``) followed by
+the pieces in bucket order. Pieces that stay on this rank never enter a buffer (``own_pieces``,
 ``own_results``). Split sizes are derived from these lists, and the lists are checked when they
 are built (``check``).
 """

@@ -23,7 +23,7 @@ class StepStats:
     then). Counted for every step that ran: ``ns_matrices`` (matrices this rank orthogonalized,
     counted as each batch runs), ``ns_flops`` (their Newton-Schulz flops), ``bytes_sent`` and
     ``bytes_received`` (matrix pieces to and from other ranks, both exchanges; the check flags
-    riding in the first exchange, ``flag_bytes`` each way, are not included) and
+    riding in one exchange, ``flag_bytes`` each way, are not included) and
     ``collectives`` (all-to-alls launched). With ``timed=True``, ``seconds[phase]`` holds the
     wall time of each of ``PHASES`` (``wait``: blocked on all-to-all, summed over the step). On
     accelerators, timing synchronizes the device at every phase boundary, which removes the

@@ -4,10 +4,12 @@ FSDP2 calls every ``register_post_accumulate_grad_hook`` hook of a sharded param
 its reduce-scattered (under HSDP also all-reduced) gradient is assigned (torch 2.13,
 ``foreach_reduce``). With ``DMuonFSDP(..., overlap_backward=True)`` the plan's buckets follow the
 order gradients arrive (the parameters' reverse order) and ``BackwardStart`` hooks every Muon
-parameter of the program, from the step after the one that built it. Once every gradient a
-bucket reads has landed, and every earlier bucket started, the bucket *starts*: its NS inputs
-are made (the momentum buffers are only read) and its exchange to the owners is launched, on a
-side stream on accelerators. A hook never waits for anything.
+parameter of the program, from the step after the one that built it. Once the gradients of
+every parameter with a matrix in a bucket have landed (the same hook on every rank: the plan
+says which, whatever this rank holds of them), and every earlier bucket started, the bucket
+*starts*: this rank's NS inputs for it are made (the momentum buffers are only read) and its
+exchange to the owners is launched, on a side stream on accelerators, which the end of backward
+waits for. A hook never waits for anything.
 
 ``run`` (at ``step``) starts the rest (the last bucket always: its exchange carries the check
 flags, made from the final gradients), then, as a plain step does, finishes every bucket
@@ -52,9 +54,10 @@ if TYPE_CHECKING:
 @dataclass
 class Progress:
     """How far one step of ``program`` got before ``step``. ``missing[k]``: gradients bucket k
-    reads that have not landed; ``used``: each gradient a started bucket read, with its version
-    counter then, and ``norms`` their norms (in that order); ``hyper``: the per-step options the
-    first bucket started with."""
+    needs that have not landed; ``used``: each gradient a started bucket read here, with its
+    version counter then, and ``norms`` their norms (in that order); ``inputs``: the options the
+    NS inputs were made with; ``halted``: a gradient unfit for the program landed (the step
+    explains it), so nothing more starts."""
 
     program: StepProgram
     stats: StepStats
@@ -65,36 +68,44 @@ class Progress:
     started: int = 0
     to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
     from_owners: list[comm.Handle | None] = field(default_factory=list)
-    hyper: int | None = None
+    inputs: tuple | None = None
     stale: bool = False  # a gradient landed again after a started bucket read it
+    halted: bool = False
+    joining: bool = False  # the end of backward waits for the side stream
 
     @classmethod
     def of(cls, program: StepProgram, stats: StepStats) -> Progress:
-        missing = [len(bucket.reads) for bucket in program.buckets]
+        missing = [len(bucket.needs) for bucket in program.buckets]
         return cls(program, stats, missing, [None] * len(program.entries))
 
     def replaced(self, local: list[Tensor], groups: Sequence[dict[str, Any]]) -> bool:
         """Whether what a started bucket read is seen on the host to differ from the step's
         final gradients and options: a gradient landed again, was replaced or written in place
-        (its version counter), or an option changed."""
+        (its version counter), or momentum or nesterov changed."""
         if self.started == 0:
             return False
-        if self.stale or self.hyper != checks.hyper_digest(groups):
+        if self.stale or self.inputs != _input_options(groups):
             return True
         return any(local[i] is not g or g._version != version for i, (g, version) in self.used.items())
 
     def rewritten(self, local: list[Tensor]) -> Tensor | None:
         """A (1,) indicator on the device: 1 when a gradient a started bucket read has another
-        norm now. In-place writes through DTensor's foreach ops (``clip_grad_norm_`` on FSDP2
-        gradients) leave version counters as they were; any change of a gradient's norm is seen."""
+        norm now, bit for bit (so that a NaN equals itself). In-place writes through DTensor's
+        foreach ops (``clip_grad_norm_`` on FSDP2 gradients) leave version counters as they were."""
         if not self.used:
             return None
         now = torch._foreach_norm([local[i] for i in self.used], dtype=torch.float32)
-        return (torch.stack(self.norms) != torch.stack(now)).any().reshape(1).float()
+        then, now = torch.stack(self.norms).view(torch.int32), torch.stack(now).view(torch.int32)
+        return (then != now).any().reshape(1).float()
 
     def in_flight(self) -> Iterator[comm.Handle | None]:
         yield from self.to_owners.values()
         yield from self.from_owners
+
+
+def _input_options(groups: Sequence[dict[str, Any]]) -> tuple:
+    """What the NS inputs depend on besides the gradients and buffers."""
+    return tuple((g["momentum"], g["nesterov"]) for g in groups if g["use_muon"])
 
 
 class _SideStream:
@@ -126,12 +137,13 @@ class BackwardStart:
     def __init__(self) -> None:
         self._program: StepProgram | None = None
         self._hooks: list[Any] = []
-        self._first: dict[int, int] = {}  # entry -> the first bucket reading its gradient
-        self._readers: dict[int, list[int]] = {}  # entry -> the buckets reading its gradient
+        self._first: dict[int, int] = {}  # entry -> the first bucket reading its gradient here
+        self._waiting: dict[int, list[int]] = {}  # entry -> the buckets needing its gradient
         self._groups: Sequence[dict[str, Any]] = ()
         self._side: _SideStream | None = None
         self._progress: Progress | None = None
         self._warned = False
+        weakref.finalize(self, _remove, self._hooks)  # an optimizer gone leaves no hooks behind
 
     def arm(self, program: StepProgram, groups: Sequence[dict[str, Any]], timed: bool) -> None:
         """Hook ``program``'s parameters (once per program) and expect the next backward."""
@@ -142,20 +154,21 @@ class BackwardStart:
             for k, bucket in enumerate(program.buckets):
                 for i in bucket.reads:
                     self._first.setdefault(i, k)
-                    self._readers.setdefault(i, []).append(k)
+                for i in bucket.needs:
+                    self._waiting.setdefault(i, []).append(k)
             me = weakref.ref(self)  # parameters must not keep the optimizer alive
-            for i in self._readers:
+            for i in self._waiting:
                 param = program.entries[i].param
-                self._hooks.append(param.register_post_accumulate_grad_hook(partial(_landed, me, i)))
+                if param.requires_grad:  # else its buckets start at ``step``
+                    self._hooks.append(param.register_post_accumulate_grad_hook(partial(_landed, me, i)))
         self._groups = groups  # the optimizer's list (a load may replace it)
         self._progress = Progress.of(program, StepStats(program.found.device, timed=timed))
 
     def disarm(self) -> None:
         """Remove the hooks; a step under way is brought to where every rank stands alike."""
         self._settle(self._progress)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks, self._first, self._readers = [], {}, {}
+        _remove(self._hooks)
+        self._first, self._waiting = {}, {}
         self._program, self._progress = None, None
 
     @torch.no_grad()
@@ -164,12 +177,17 @@ class BackwardStart:
         progress = self._progress
         if progress is None or param.grad is None:
             return
+        grad = local_shard(param.grad)
+        program = progress.program
+        expected = (program.grad_shapes[i], program.grad_dtypes[i], torch.strided)
+        if (grad.shape, grad.dtype, grad.layout) != expected:
+            progress.halted = True  # the step explains it, on every rank
         if progress.grads[i] is not None:  # again: accumulating (or a second backward)
             progress.stale |= i in progress.used
-            progress.grads[i] = local_shard(param.grad)
+            progress.grads[i] = grad
             return
-        progress.grads[i] = local_shard(param.grad)
-        for k in self._readers[i]:
+        progress.grads[i] = grad
+        for k in self._waiting[i]:
             progress.missing[k] -= 1
         self._advance(progress)
 
@@ -177,18 +195,21 @@ class BackwardStart:
         """Start every bucket that can start, in bucket order; never the last (``run`` does)."""
         program = progress.program
         last = len(program.buckets) - 1
-        while progress.started < last and progress.missing[progress.started] == 0:
+        while not progress.halted and progress.started < last and progress.missing[progress.started] == 0:
             k = progress.started
-            if progress.hyper is None:
-                progress.hyper = checks.hyper_digest(self._groups)
-            with self._side.on(), progress.stats.phase("momentum"):
+            if progress.inputs is None:
+                progress.inputs = _input_options(self._groups)
+            if not progress.joining and self._side.module is not None:
+                progress.joining = True  # what follows backward waits for the side stream
+                torch.autograd.Variable._execution_engine.queue_callback(self._side.join)
+            read = [i for i in program.buckets[k].reads if self._first[i] == k]
+            grads = [progress.grads[i] for i in read]
+            with self._side.on(), progress.stats.label("momentum"):
                 program.stages[k].run(progress.grads, self._groups)
                 progress.to_owners[k] = program.launch(k)
-                read = [i for i in program.buckets[k].reads if self._first[i] == k]
-                grads = [progress.grads[i] for i in read]
+                progress.started += 1
                 progress.norms += torch._foreach_norm(grads, dtype=torch.float32) if grads else []
             progress.used.update((i, (g, g._version)) for i, g in zip(read, grads))
-            progress.started += 1
 
     def _settle(self, progress: Progress | None) -> None:
         """Bring a step that will not be completed to where every rank's is (whatever its hooks
@@ -216,26 +237,33 @@ class BackwardStart:
     ) -> tuple[Verdict, StepStats]:
         """The step (see the module docstring); returns the verdict and what this rank did."""
         progress, self._progress = self._progress, None  # hooks do nothing until armed again
-        if progress is None or progress.program is not program:
+        rebound = progress is not None and progress.program is not program
+        if rebound and progress.program.plan is program.plan:
+            # Bound anew (same plan, same exchanges) since backward: go on with the new program's
+            # buffers, so that every rank launches the same exchanges, and redo from the start.
+            progress.program = program
+        elif rebound:
             self._settle(progress)
+            progress, rebound = None, False
+        if progress is None:
             progress = Progress.of(program, StepStats(program.found.device, timed=options.time_phases))
         if self._side is not None:
             self._side.join()
-        verdict = _complete(progress, grads, groups, key, options, bound)
+        verdict = _complete(progress, grads, groups, key, options, bound, rebound)
         if verdict is Verdict.REDO:
-            if not self._warned:
+            if not self._warned and not rebound:
                 self._warned = True
                 warnings.warn(
                     "DMuonFSDP(overlap_backward=True): gradients changed after backward began the step "
                     "(clip_grad_norm_, GradScaler.unscale_, or a backward accumulating into synced "
                     "gradients), so the step was redone from the final gradients; clip with "
-                    "dmuon_fsdp.clip_grad_norm_ and accumulate under set_requires_gradient_sync(False) "
-                    "to keep the overlap (warned once)",
+                    "dmuon_fsdp.clip_grad_norm_, and under FSDP2 accumulate with "
+                    "set_requires_gradient_sync(False), to keep the overlap (warned once)",
                     stacklevel=4,
                 )
             progress = Progress.of(program, StepStats(program.found.device, timed=options.time_phases))
             progress.stats.redone = True
-            verdict = _complete(progress, grads, groups, key, options, bound)
+            verdict = _complete(progress, grads, groups, key, options, bound, False)
         return verdict, progress.stats
 
 
@@ -245,6 +273,12 @@ def _landed(start: weakref.ref, i: int, param: Tensor) -> None:
         owner.landed(i, param)
 
 
+def _remove(hooks: list[Any]) -> None:
+    for hook in hooks:
+        hook.remove()
+    hooks.clear()
+
+
 def _complete(
     progress: Progress,
     grads: Sequence[Tensor | None],
@@ -252,16 +286,18 @@ def _complete(
     key: StepKey,
     options: Options,
     bound: bool,
+    rebound: bool,
 ) -> Verdict:
     """Start what backward left, finish every bucket, decide, commit and apply. Before the
     verdict every rank has launched every exchange to owners and the exchanges back of all but
-    the last bucket, so that a step that does not go on leaves the group where every rank's is."""
+    the last bucket, so that a step that does not go on leaves the group where every rank's is.
+    ``rebound``: the program was bound anew since backward started the step (redo it)."""
     program, stats = progress.program, progress.stats
     stats.started_in_backward = progress.started
     last = len(program.buckets) - 1
     local = program.local_grads(grads) if bound and key == program.key else None
     hyper = checks.hyper_digest(groups) if program.flags is not None else 0
-    redo = local is not None and progress.replaced(local, groups)
+    redo = local is not None and (rebound or progress.replaced(local, groups))
     with stats.phase("momentum"):
         changed = progress.rewritten(local) if local is not None and not redo else None
         if local is not None and not redo:
@@ -298,7 +334,7 @@ def clip_grad_norm_(
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-    if grads and bool(max_norm / (total + 1e-6) < 1.0):  # torch's coefficient, before its clamp
+    if grads and not bool(max_norm / (total + 1e-6) >= 1.0):  # torch's coefficient (NaN: clips too)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
         # DTensor's foreach ops leave version counters as they were: mark the gradients changed
         torch.autograd.graph.increment_version([local_shard(g) for g in grads])

@@ -78,9 +78,9 @@ def bind(
     binder = _Binder(plan, forms, schedule, entries, groups, settings)
     buckets = tuple(binder.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
     muon, stages = binder.momentum(state)
-    flag_bucket = len(buckets) - 1 if settings.in_backward else 0
-    flags, wire = None, schedule.buckets[flag_bucket].to_owners
-    if wire is not None and wire.flags:
+    carried = [k for k, b in enumerate(schedule.buckets) if b.to_owners is not None and b.to_owners.flags]
+    flag_bucket, flags = (carried or [0])[0], None
+    if carried:
         flags = Flags.bind(buckets[flag_bucket].to_owners, key.digest ^ checks.hyper_digest(groups))
     size = settings.comm_dtype.itemsize
     counts = {
@@ -182,6 +182,7 @@ class _Binder:
         settings: Settings,
     ):
         self.plan, self.forms, self.groups, self.settings = plan, forms, groups, settings
+        self.schedule = schedule
         self.entries = tuple(entries)
         self.locals = [local_shard(e.param) for e in self.entries]
         self.muon = [i for i, e in enumerate(self.entries) if groups[e.group]["use_muon"]]
@@ -203,6 +204,10 @@ class _Binder:
             if sizes
             else None
         )
+
+    def plan_bucket(self, k: int) -> tuple[int, ...]:
+        """The matrices of schedule bucket ``k`` (none in the one bucket of a plan without any)."""
+        return self.plan.buckets[k].matrices if k < len(self.plan.buckets) else ()
 
     def entry_of(self, j: int) -> int:
         return self.muon[self.plan.param_of[j]]
@@ -260,6 +265,7 @@ class _Binder:
         else:
             self.feeds += [(region(t), t, k) for t in own]
         reads = tuple(sorted({self.entry_of(t.matrix) for _, t, _ in self.feeds[fed:]}))
+        needs = tuple(sorted({self.entry_of(j) for j in self.plan_bucket(k)}))
 
         from_owners = _wired(bucket.from_owners, self.settings, group)
         collect = Copies([view for _, view in from_owners.sent], [region(t) for t, _ in from_owners.sent])
@@ -281,7 +287,14 @@ class _Binder:
                 u.params.append(target)
                 u.directions.append(direction)
         return BucketProgram(
-            reads, to_owners.exchange, assemble, batches, collect, from_owners.exchange, tuple(mine.values())
+            reads,
+            needs,
+            to_owners.exchange,
+            assemble,
+            batches,
+            collect,
+            from_owners.exchange,
+            tuple(mine.values()),
         )
 
     def momentum(self, state: Any) -> tuple[tuple[MuonLists, ...], tuple[Stage, ...]]:
@@ -294,7 +307,7 @@ class _Binder:
             i = self.entry_of(t.matrix)
             feeds[i].append((view, t))
             first[i] = min(first.get(i, k), k) if self.settings.in_backward else 0
-        count = len(self.plan.buckets) if self.settings.in_backward else 1
+        count = len(self.schedule.buckets) if self.settings.in_backward else 1
         stages = [([], Copies([], [])) for _ in range(count)]
         lists = []
         for group, members in self._by_group(muon=True).items():

@@ -187,20 +187,20 @@ class Flags:
     values: Tensor | None = None
 
     @classmethod
-    def bind(cls, first: comm.Exchange, digest: int) -> Flags:
-        """The flags' positions in ``first``, with the flags of ``digest`` in every send segment."""
-        device = first.send.device
+    def bind(cls, carrier: comm.Exchange, digest: int) -> Flags:
+        """The flags' positions in ``carrier``, with the flags of ``digest`` in every send segment."""
+        device = carrier.send.device
 
         def heads(counts: list[int]) -> Tensor:
             starts = torch.tensor([sum(counts[:g]) for g in range(len(counts))], dtype=torch.int64)
             return (starts[:, None] + torch.arange(FLAG_ELEMENTS)).to(device)
 
-        send = heads(first.send_counts)
+        send = heads(carrier.send_counts)
         slot = {
             name: send[:, i].contiguous() for name, i in (("nonfinite", NONFINITE_SLOT), ("redo", REDO_SLOT))
         }
-        flags = cls(send, heads(first.receive_counts), slot["nonfinite"], slot["redo"], first.send.dtype)
-        first.send.index_put_((flags.send,), flags.values_for(digest))
+        flags = cls(send, heads(carrier.receive_counts), slot["nonfinite"], slot["redo"], carrier.send.dtype)
+        carrier.send.index_put_((flags.send,), flags.values_for(digest))
         return flags
 
     def values_for(self, digest: int) -> Tensor:

@@ -39,10 +39,6 @@ class Handle:
             settle(self.buffers, self.references)
         return self.buffers[-1]
 
-    def done(self) -> bool:
-        """Whether ``wait`` would return at once (the collective completed)."""
-        return self.work is None or self.work.is_completed()
-
 
 _RELEASE_TIMEOUT_S = 10.0  # a worker that keeps the views longer is left to release them later
 

@@ -40,8 +40,8 @@ class DMuonFSDP(Optimizer):
     ``comm_dtype``, ``bucket_bytes`` and ``overlap_backward`` shape the step program and are
     fixed. After a step, ``last_step_stats`` says what this rank did (``StepStats``).
 
-    ``overlap_backward=True`` starts each bucket's exchange and Newton-Schulz from FSDP2's
-    gradient hooks during backward (``dmuon_fsdp.backward``), with the same results.
+    ``overlap_backward=True`` makes each bucket's NS inputs and starts its exchange to the owners
+    from FSDP2's gradient hooks during backward (``dmuon_fsdp.backward``), with the same results.
     """
 
     ns_dtype = Option(settable=False)

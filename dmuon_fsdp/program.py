@@ -5,9 +5,10 @@ executes a step with it, top to bottom, in these phases (the names ``StepStats``
 trace use):
 
 - ``momentum``: what each matrix orthogonalizes, written straight into send buffers and own
-  stacks (foreach ops), and this rank's check flags into the first exchange;
-- ``wait``: blocked on an all-to-all; the first one brings every rank's flags, read once into
-  the verdict (``dmuon_fsdp.checks``), before anything is committed;
+  stacks (foreach ops), and this rank's check flags into the first exchange (the last, for
+  steps begun in backward: ``dmuon_fsdp.backward``);
+- ``wait``: blocked on an all-to-all; the one carrying the flags brings every rank's, read once
+  into the verdict (``dmuon_fsdp.checks``), before anything is committed;
 - ``commit``: momentum buffers and weight decay; ``adamw``: torch's functional AdamW;
 - per bucket, ``assemble`` (received pieces into (B, s, l) stacks), ``newton_schulz`` (in place
   per stack) and ``return`` (results into the return buffer, the exchange back launched);
@@ -102,7 +103,8 @@ class Updates:
 
 @dataclass(frozen=True)
 class BucketProgram:
-    reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from
+    reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
+    needs: tuple[int, ...]  # those of every parameter with a matrix in it, on any rank
     to_owners: comm.Exchange | None
     assemble: Copies  # received pieces (and own ones, when staged) into the stacks
     batches: tuple[Batch, ...]
@@ -222,6 +224,8 @@ class StepProgram:
         committed unless it is ``GO``. ``bound`` False: the parameters or their state changed
         layout since the program was bound (the step reports it, on every rank). A program
         ``in_backward`` runs through ``dmuon_fsdp.backward`` instead."""
+        if self.in_backward:
+            raise RuntimeError("a program for steps begun in backward runs through dmuon_fsdp.backward")
         local = self.local_grads(grads) if bound and key == self.key else None
         hyper = checks.hyper_digest(groups) if self.flags is not None else 0  # every rank's alike?
         with stats.phase("momentum"):
@@ -326,9 +330,13 @@ class StepProgram:
                 summary = wait(carrier)[self.flags.receive].amax(0).tolist()
         else:
             summary = checks.encode(expected, invalid=local is None, redo=redo)
-            if indicator is not None:
+            changed = None if redo else changed
+            if indicator is not None and changed is not None:  # one read for both
+                both = torch.cat([indicator, changed]).tolist()
+                summary[checks.NONFINITE_SLOT], summary[checks.REDO_SLOT] = both
+            elif indicator is not None:
                 summary[checks.NONFINITE_SLOT] = indicator.item()
-            if changed is not None and not redo:
+            elif changed is not None:
                 summary[checks.REDO_SLOT] = changed.item()
         return checks.decide(summary, expected, options.nonfinite, options.check_grads)
 

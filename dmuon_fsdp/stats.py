@@ -32,7 +32,7 @@ class StepStats:
     With ``overlap_backward``: ``started_in_backward`` counts the buckets whose NS inputs and
     exchange to owners began in backward, and ``redone`` is True when the step was redone from
     gradients that changed after backward began it (the count is then the redone step's, 0).
-    Phase times include the work done in hooks.
+    Phase times leave out the work done in hooks (it is labelled in a profiler trace).
     """
 
     device: torch.device
@@ -60,11 +60,18 @@ class StepStats:
             torch.accelerator.synchronize(self.device)
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Label the phase ``dmuon_fsdp.<name>`` in a profiler trace (only while a profiler
-        runs: a label costs two dispatched ops) and time it when ``timed``."""
+    def label(self, name: str) -> Iterator[None]:
+        """Label ``dmuon_fsdp.<name>`` in a profiler trace (only while a profiler runs: a label
+        costs two dispatched ops), untimed: as for work in backward's hooks, where timing's
+        device synchronization would wait on other ranks."""
         profiling = autograd_profiler._is_profiler_enabled  # torch's fast check for this purpose
         with autograd_profiler.record_function(f"dmuon_fsdp.{name}") if profiling else nullcontext():
+            yield
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Label the phase ``dmuon_fsdp.<name>`` and time it when ``timed``."""
+        with self.label(name):
             if not self.timed:
                 yield
                 return

@@ -381,3 +381,65 @@ def divergent_option(rank, world_size):
 def test_overlap_backward_on_some_ranks_only_raises_on_every_rank():
     messages = run_ranks(divergent_option, 2, timeout=120, pg_timeout=30)
     assert all(m is not None and "overlap_backward" in m for m in messages)
+
+
+def no_muon_gradients(rank, world_size):
+    """AdamW parameters only, then a step whose Muon parameters have no gradient."""
+    model = sharded()
+    vectors = DMuonFSDP([model.scale], overlap_backward=True)
+    opt = DMuonFSDP(model.parameters(), bucket_bytes=BUCKET, overlap_backward=True)
+    for step in range(3):
+        plain_step(model, vectors, step)
+    for layer in model.layers:
+        layer.weight.requires_grad_(False)
+    for step in range(3):
+        plain_step(model, opt, step)
+    return opt.last_step_stats.started_in_backward
+
+
+def test_steps_without_muon_gradients_run():
+    assert run_ranks(no_muon_gradients, 2) == [0, 0]
+
+
+def nan_in_an_early_bucket(rank, world_size):
+    model = sharded()
+    opt = DMuonFSDP(model.parameters(), bucket_bytes=BUCKET, overlap_backward=True, nonfinite="skip")
+    for step in range(2):
+        plain_step(model, opt, step)
+    before = snapshot(model, opt)
+    x = inputs(5)
+    x[0, 0] = float("nan") if rank == 1 else x[0, 0]  # every gradient NaN after the reduce-scatter
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x).pow(2).sum().backward()
+        opt.step()
+    stats = opt.last_step_stats
+    unchanged = all(torch.equal(v, snapshot(model, opt)[n]) for n, v in before.items())
+    return stats.skipped, stats.redone, stats.started_in_backward, unchanged, len(caught)
+
+
+def test_a_nan_gradient_in_a_started_bucket_skips_without_a_redo():
+    for skipped, redone, started, unchanged, warned in run_ranks(nan_in_an_early_bucket, 2):
+        assert skipped and not redone and started > 0 and unchanged and warned == 0
+
+
+def rebound_on_one_rank(rank, world_size):
+    runs = pair(sharded)
+
+    def step_fn(model, opt, step):
+        loss = model(inputs(step)).pow(2).sum()
+        loss.backward()
+        if step == 2 and rank == 1:  # one rank's state tensor replaced: only its program is bound anew
+            state = opt.state[model.layers[1].weight]
+            state["momentum_buffer"] = state["momentum_buffer"].clone()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    history = train(runs, step_fn)
+    return compare(runs), history
+
+
+def test_a_program_bound_anew_on_one_rank_between_backward_and_step_keeps_ranks_in_step():
+    for differing, history in run_ranks(rebound_on_one_rank, 2, timeout=120, pg_timeout=30):
+        assert differing == [] and history[2][2] and history[3][1] > 0  # step 2 redone

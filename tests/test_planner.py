@@ -63,6 +63,21 @@ def test_every_matrix_has_one_owner_and_splits_match(world_size):
     assert moved == 2 * (total - kept)
 
 
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_backward_order_cuts_buckets_in_reverse_parameter_order_with_the_same_owners(world_size):
+    matrices = layouts(SHAPE_MIX, world_size)
+    param_of = [0, 0, 1, 2, 3, 4, 4, 5]  # two parameters hold two matrices each
+    plain = build_plan(matrices, costs(matrices), world_size, 20_000, 4, param_of)
+    backward = build_plan(matrices, costs(matrices), world_size, 20_000, 4, param_of, backward_order=True)
+    assert backward.owners == plain.owners
+    order = [j for b in backward.buckets for j in b.matrices]
+    assert order == sorted(range(len(matrices)), key=lambda j: (-param_of[j], j))
+    for bucket in backward.buckets:
+        size = sum(backward.matrices[j].numel * 4 for j in bucket.matrices)
+        assert size <= 20_000 or len(bucket.matrices) == 1
+    assert backward.signature() != plain.signature()  # ranks that disagree on the order raise
+
+
 def _plan_signature(world_size):
     plan = plan_for(layouts(LLAMA_SHAPES["gpt2-124m"], world_size), world_size, 2**24, 2)
     return [list(plan.owners), [list(b.matrices) for b in plan.buckets]]

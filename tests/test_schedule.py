@@ -89,6 +89,17 @@ def test_every_segment_matches_the_peer_that_reads_it(kind, world):
         assert sorted(owned) == [j for j, o in enumerate(plan.owners) if o == a]
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_flags_ride_in_the_last_exchange_of_a_step_begun_in_backward(world):
+    plan = plan_for(row_sharded([(12, 20), (7, 30), (9, 16)], world), world, 200, 4)
+    assert len(plan.buckets) == 3
+    for r in range(world):
+        buckets = rank_schedule(plan, r, range(world), FLAG_ELEMENTS, flags_last=True).buckets
+        carried = [k for k, b in enumerate(buckets) if b.to_owners is not None and b.to_owners.flags]
+        assert carried == [len(buckets) - 1]
+        assert buckets[-1].to_owners.flags == FLAG_ELEMENTS
+
+
 def test_ddp_sends_nothing_forward_and_a_flags_only_first_exchange():
     world = 3
     full = Piece(0, 6, 0, 4)

@@ -1,0 +1,95 @@
+"""Paired runs for overlap_backward tests: two copies of one model trained side by side, one
+with the plain step and one with ``overlap_backward=True``, and what to compare them by."""
+
+from __future__ import annotations
+
+import torch
+from spawn import cpu_mesh
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dmuon_fsdp import DMuonFSDP
+
+STEPS = 4
+BUCKET = 2**10  # bytes: a bucket per layer or two, so that most start in backward
+# Rows that leave uneven and, at W=4, empty shards (5 -> 2, 2, 1, 0).
+DIMS = (24, 37, 5, 13, 24)
+
+
+class Stack(nn.Module):
+    """Linear layers (each its own FSDP unit, so gradients land layer by layer in backward),
+    a vector for AdamW and a tall last layer."""
+
+    def __init__(self, dims=DIMS):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(dims, dims[1:]))
+        self.scale = nn.Parameter(torch.ones(dims[-1]))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * self.scale
+
+
+def inputs(step, dim=DIMS[0]):
+    return torch.randn(8, dim, generator=torch.Generator().manual_seed(100 + step))
+
+
+def sharded(mesh=None, dims=DIMS):
+    model = Stack(dims)
+    mesh = mesh or cpu_mesh()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def snapshot(model, opt):
+    out = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for key, value in opt.state[p].items():
+            if torch.is_tensor(value):
+                out[f"{n}:{key}"] = full(value).clone()
+    return out
+
+
+def pair(make, **options):
+    """Two copies of ``make()``: (model, optimizer) plain and with overlap_backward."""
+    out = []
+    for overlap in (False, True):
+        model = make()
+        opt = DMuonFSDP(model.parameters(), lr=0.02, bucket_bytes=BUCKET, overlap_backward=overlap, **options)
+        out.append((model, opt))
+    return out
+
+
+def train(runs, step_fn, steps=STEPS):
+    """``step_fn(model, opt, step) -> loss`` for both runs; per step, the losses and the overlap
+    run's stats."""
+    history = []
+    for step in range(steps):
+        losses = [step_fn(model, opt, step) for model, opt in runs]
+        stats = runs[1][1].last_step_stats
+        history.append((losses, stats.started_in_backward, stats.redone))
+    return history
+
+
+def plain_step(model, opt, step):
+    loss = model(inputs(step)).pow(2).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def compare(runs):
+    (m0, o0), (m1, o1) = runs
+    a, b = snapshot(m0, o0), snapshot(m1, o1)
+    assert a.keys() == b.keys()
+    return [n for n in a if not torch.equal(a[n], b[n])]

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from dmuon_fsdp import checks, comm, elementwise
+from dmuon_fsdp import checks, comm, elementwise, errors
 from dmuon_fsdp.bind import Settings, bind, exchange_group, indexed
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
@@ -88,10 +88,10 @@ def _params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
 def explain(
     groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings, shared: bool
 ) -> NoReturn:
-    """Raise the error every rank agrees on (``checks.explain``; a collective when ``shared``)."""
+    """Raise the error every rank agrees on (``errors.explain``; a collective when ``shared``)."""
     params = _params(groups)
     group = settings.site.group.group if shared else None
-    checks.explain(params, names, groups, group, settings.nonfinite, checks.stale_layouts(params, state))
+    errors.explain(params, names, groups, group, settings.nonfinite, checks.stale_layouts(params, state))
 
 
 def _forms(
@@ -132,7 +132,7 @@ def build_program(
         identities = [
             (f"{m.name} ({m.rows}x{m.cols})", m.pieces, m.replicas, cost) for m, cost in zip(layouts, costs)
         ]
-        trouble = checks.agree_on_plan(
+        trouble = errors.agree_on_plan(
             trouble,
             key.digest,
             plan.signature(),

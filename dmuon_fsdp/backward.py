@@ -74,9 +74,20 @@ class Progress:
     joining: bool = False  # the end of backward waits for the side stream
 
     @classmethod
-    def of(cls, program: StepProgram, stats: StepStats) -> Progress:
+    def of(cls, program: StepProgram, timed: bool) -> Progress:
         missing = [len(bucket.needs) for bucket in program.buckets]
+        stats = StepStats(program.found.device, timed=timed)
         return cls(program, stats, missing, [None] * len(program.entries))
+
+    def launch_rest(self) -> None:
+        """Launch the exchange to owners of every bucket not started yet."""
+        for k in range(self.started, len(self.program.buckets)):
+            self.to_owners[k] = self.program.launch(k)
+        self.started = len(self.program.buckets)
+
+    def finish(self, k: int, discarded: bool = False) -> None:
+        """Finish bucket ``k`` (``StepProgram.finish``), keeping its exchange back."""
+        self.from_owners.append(self.program.finish(k, self.to_owners.pop(k), self.stats, discarded))
 
     def replaced(self, local: list[Tensor], groups: Sequence[dict[str, Any]]) -> bool:
         """Whether what a started bucket read is seen on the host to differ from the step's
@@ -137,7 +148,7 @@ class BackwardStart:
     def __init__(self) -> None:
         self._program: StepProgram | None = None
         self._hooks: list[Any] = []
-        self._first: dict[int, int] = {}  # entry -> the first bucket reading its gradient here
+        self._first_reads: list[list[int]] = []  # per bucket, the gradients no earlier one read here
         self._waiting: dict[int, list[int]] = {}  # entry -> the buckets needing its gradient
         self._groups: Sequence[dict[str, Any]] = ()
         self._side: _SideStream | None = None
@@ -151,9 +162,10 @@ class BackwardStart:
             self.disarm()
             self._program = program
             self._side = _SideStream(program.found.device)
+            seen: set[int] = set()
             for k, bucket in enumerate(program.buckets):
-                for i in bucket.reads:
-                    self._first.setdefault(i, k)
+                self._first_reads.append([i for i in bucket.reads if i not in seen])
+                seen.update(bucket.reads)
                 for i in bucket.needs:
                     self._waiting.setdefault(i, []).append(k)
             me = weakref.ref(self)  # parameters must not keep the optimizer alive
@@ -162,13 +174,13 @@ class BackwardStart:
                 if param.requires_grad:  # else its buckets start at ``step``
                     self._hooks.append(param.register_post_accumulate_grad_hook(partial(_landed, me, i)))
         self._groups = groups  # the optimizer's list (a load may replace it)
-        self._progress = Progress.of(program, StepStats(program.found.device, timed=timed))
+        self._progress = Progress.of(program, timed)
 
     def disarm(self) -> None:
         """Remove the hooks; a step under way is brought to where every rank stands alike."""
         self._settle(self._progress)
         _remove(self._hooks)
-        self._first, self._waiting = {}, {}
+        self._first_reads, self._waiting = [], {}
         self._program, self._progress = None, None
 
     @torch.no_grad()
@@ -202,7 +214,7 @@ class BackwardStart:
             if not progress.joining and self._side.module is not None:
                 progress.joining = True  # what follows backward waits for the side stream
                 torch.autograd.Variable._execution_engine.queue_callback(self._side.join)
-            read = [i for i in program.buckets[k].reads if self._first[i] == k]
+            read = self._first_reads[k]
             grads = [progress.grads[i] for i in read]
             with self._side.on(), progress.stats.label("momentum"):
                 program.stages[k].run(progress.grads, self._groups)
@@ -216,12 +228,9 @@ class BackwardStart:
         started): every exchange launched, as a step would, and waited for; nothing committed."""
         if progress is None:
             return
-        program = progress.program
-        for k in range(progress.started, len(program.buckets)):
-            progress.to_owners[k] = program.launch(k)
-        for k in range(len(program.buckets)):
-            handle = progress.to_owners.pop(k)
-            progress.from_owners.append(program.finish(k, handle, progress.stats, discarded=True))
+        progress.launch_rest()
+        for k in range(len(progress.program.buckets)):
+            progress.finish(k, discarded=True)
         for handle in progress.from_owners:
             if handle is not None:
                 handle.wait()
@@ -246,7 +255,7 @@ class BackwardStart:
             self._settle(progress)
             progress, rebound = None, False
         if progress is None:
-            progress = Progress.of(program, StepStats(program.found.device, timed=options.time_phases))
+            progress = Progress.of(program, options.time_phases)
         if self._side is not None:
             self._side.join()
         verdict = _complete(progress, grads, groups, key, options, bound, rebound)
@@ -261,7 +270,7 @@ class BackwardStart:
                     "set_requires_gradient_sync(False), to keep the overlap (warned once)",
                     stacklevel=4,
                 )
-            progress = Progress.of(program, StepStats(program.found.device, timed=options.time_phases))
+            progress = Progress.of(program, options.time_phases)
             progress.stats.redone = True
             verdict = _complete(progress, grads, groups, key, options, bound, False)
         return verdict, progress.stats
@@ -304,17 +313,16 @@ def _complete(
             for k in range(progress.started, last + 1):
                 program.stages[k].run(local, groups)
         indicator = program.write_flags(key, hyper, local, options.nonfinite, redo, changed)
-    for k in range(progress.started, last + 1):
-        progress.to_owners[k] = program.launch(k)
+    progress.launch_rest()
     for k in range(last):  # a rank that knows it will ask for a redo skips the NS
-        progress.from_owners.append(program.finish(k, progress.to_owners.pop(k), stats, discarded=redo))
+        progress.finish(k, discarded=redo)
     carrier = progress.to_owners[last]
     expected = program.key.digest ^ hyper
     verdict = program.verdict(carrier, expected, local, indicator, options, stats, redo, changed)
     if verdict is not Verdict.GO:
         return abandon(verdict, progress.in_flight(), stats)
     program.commit(local, groups, stats)
-    progress.from_owners.append(program.finish(last, progress.to_owners.pop(last), stats))
+    progress.finish(last)
     apply_updates(program.all_updates, progress.from_owners, groups, stats)
     stats.count(**program.counts)
     return verdict

@@ -58,7 +58,7 @@ def indexed(groups: Sequence[dict[str, Any]]) -> list[tuple[int, Tensor]]:
     return [(g, p) for g, group in enumerate(groups) for p in group["params"]]
 
 
-def exchange_group(settings: Settings) -> comm.ExchangeGroup:
+def wire_group(settings: Settings) -> comm.ExchangeGroup:
     """The group the exchanges run on."""
     return settings.site.backward if settings.in_backward else settings.site.group
 
@@ -242,7 +242,7 @@ class _Binder:
         """Bucket ``k``'s exchanges, stacks, copies and updates."""
         batches, matrix = self.batches(bucket.owned)
         fed = len(self.feeds)
-        group = exchange_group(self.settings).group
+        group = wire_group(self.settings).group
 
         def region(t: Transfer) -> Tensor:
             p = t.piece

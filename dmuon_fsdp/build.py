@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from dmuon_fsdp import checks, comm, elementwise, errors
-from dmuon_fsdp.bind import Settings, bind, exchange_group, indexed
+from dmuon_fsdp.bind import Settings, bind, indexed, wire_group
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
 from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
@@ -143,9 +143,8 @@ def build_program(
         )
     if trouble:
         explain(groups, state, names, settings, shared)
-    exchange = exchange_group(
-        settings
-    )  # made after the agreement: steps begun in backward have a group of their own
+    # Made after the agreement: steps begun in backward have a group of their own.
+    exchange = wire_group(settings)
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flags = FLAG_ELEMENTS if key.flags or settings.in_backward else 0
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, flags_last=settings.in_backward)

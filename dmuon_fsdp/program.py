@@ -266,16 +266,16 @@ class StepProgram:
         bucket = self.buckets[k]
         with stats.phase("wait"):
             wait(arriving)
-        if discarded:
-            return comm.launch(bucket.from_owners) if bucket.from_owners is not None else None
-        with stats.phase("assemble"):
-            bucket.assemble.run()
-        with stats.phase("newton_schulz"):
-            for batch in bucket.batches:
-                batch.orthogonalize()
-                stats.ns_matrices += batch.stack.shape[0]
+        if not discarded:
+            with stats.phase("assemble"):
+                bucket.assemble.run()
+            with stats.phase("newton_schulz"):
+                for batch in bucket.batches:
+                    batch.orthogonalize()
+                    stats.ns_matrices += batch.stack.shape[0]
         with stats.phase("return"):
-            bucket.collect.run()
+            if not discarded:
+                bucket.collect.run()
             return comm.launch(bucket.from_owners) if bucket.from_owners is not None else None
 
     def write_flags(
@@ -290,7 +290,7 @@ class StepProgram:
         """This rank's check flags into every segment of the exchange carrying them (device ops
         only): those of its key and per-step options (``hyper``), marked invalid when a gradient
         is, and to redo when this rank's gradients changed after their work began (``redo``,
-        known on the host, or ``changed``, a (1,) indicator on the device). Returns the
+        known on the host, or else ``changed``, a (1,) indicator on the device). Returns the
         non-finite indicator when that check is on."""
         indicator = None
         if nonfinite != "ignore" and local is not None:
@@ -306,7 +306,7 @@ class StepProgram:
             send.index_put_((self.flags.send,), values)
             if indicator is not None:
                 send.index_put_((self.flags.nonfinite,), indicator.to(send.dtype))
-            if changed is not None and not redo:
+            if changed is not None:
                 send.index_put_((self.flags.redo,), changed.to(send.dtype))
         return indicator
 
@@ -330,7 +330,6 @@ class StepProgram:
                 summary = wait(carrier)[self.flags.receive].amax(0).tolist()
         else:
             summary = checks.encode(expected, invalid=local is None, redo=redo)
-            changed = None if redo else changed
             if indicator is not None and changed is not None:  # one read for both
                 both = torch.cat([indicator, changed]).tolist()
                 summary[checks.NONFINITE_SLOT], summary[checks.REDO_SLOT] = both

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from dmuon_fsdp import checks, comm, elementwise, errors
+from dmuon_fsdp import checks, elementwise, errors
 from dmuon_fsdp.bind import Settings, bind, indexed, wire_group
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
@@ -113,7 +113,7 @@ def build_program(
     of any rank's trouble and (with ``check_grads``) that all built the same plan."""
     muon = [(g, p) for (g, p), has in zip(indexed(groups), key.has_grad) if has and groups[g]["use_muon"]]
     described = [(p, names[p], groups[g]) for g, p in muon]
-    layouts, param_of = describe_params(described, comm.default_world_size(), settings.site.mesh)
+    layouts, param_of = describe_params(described, settings.site.ranks)
     forms = _forms(layouts, [described[i][2] for i in param_of], settings.ns_dtype)
     costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms)]
     site = settings.site.group

@@ -2,8 +2,8 @@
 
 ``launch`` starts one ``all_to_all_single`` of an ``Exchange`` (buffers and split sizes in
 process-group rank order, as ``dmuon_fsdp.schedule`` lays them out) and returns a handle to
-wait on. ``ExchangeSite`` is where a step's exchanges and checks run: a mesh and the process
-group over its ranks. The small collectives here serve agreeing on a plan when it is built,
+wait on. ``ExchangeSite`` is where a step's exchanges and checks run: the ranks matrices move
+between and the process group over them. The small collectives here serve agreeing on a plan when it is built,
 sharing per-parameter findings for an error message, and QK-clip's per-step MAX of attention
 logits. Every collective runs on views of its buffers, and on CPU returns only once gloo's
 worker thread has let go of them (``settle``), so that no release is left for interpreter exit.
@@ -12,6 +12,7 @@ worker thread has let go of them (``settle``), so that no release is left for in
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +94,9 @@ def launch(exchange: Exchange) -> Handle:
 
 @dataclass(frozen=True)
 class ExchangeGroup:
-    """The process group matrices move over. Plans number ranks by mesh index (row-major mesh
-    coordinate); ``peers[g]`` is the mesh index of group rank g, ``rank`` this rank's mesh index."""
+    """The process group matrices move over. Plans number ranks by their order among the
+    exchange's global ranks; ``peers[g]`` is the plan index of group rank g, ``rank`` this
+    rank's."""
 
     group: dist.ProcessGroup | None
     rank: int
@@ -104,21 +106,19 @@ class ExchangeGroup:
 _SUBSET_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-def exchange_group(mesh: DeviceMesh | None) -> ExchangeGroup:
-    """The group over all ranks of ``mesh`` (for plain tensors, None: the default group, or no
-    group in a single process). A mesh covering part of the job gets a group created by its
-    ranks alone (hashed name, no job-wide counter), so ranks on other meshes need not join."""
-    if mesh is None:
-        if default_world_size() > 1:
-            return ExchangeGroup(dist.group.WORLD, dist.get_rank(), tuple(range(dist.get_world_size())))
-        return ExchangeGroup(None, 0, (0,))
-    ranks = mesh.mesh.flatten().tolist()
-    if mesh.ndim == 1:
-        group = mesh.get_group(0)
-    elif sorted(ranks) == list(range(dist.get_world_size())):
+def exchange_group(ranks: Sequence[int], meshes: Sequence[DeviceMesh] = ()) -> ExchangeGroup:
+    """The group over ``ranks`` (global ranks in plan order): the default group when they are
+    the whole job (or no group in a single process), the group of a 1-D mesh among ``meshes``
+    over exactly them, else one created by those ranks alone (hashed name, no job-wide
+    counter), so that ranks exchanging elsewhere need not join."""
+    ranks = list(ranks)
+    if ranks == list(range(default_world_size())):
+        if len(ranks) == 1:
+            return ExchangeGroup(None, 0, (0,))
         group = dist.group.WORLD
     else:
-        group = _new_group(ranks, "subset")
+        groups = [m.get_group(0) for m in meshes if m.ndim == 1 and sorted(m.mesh.tolist()) == ranks]
+        group = groups[0] if groups else _new_group(ranks, "subset")
     return _numbered(group, ranks)
 
 
@@ -131,50 +131,50 @@ def _new_group(ranks: list[int], purpose: str) -> dist.ProcessGroup:
 
 
 def _numbered(group: dist.ProcessGroup, ranks: list[int]) -> ExchangeGroup:
-    """``group`` with its ranks numbered by their index in ``ranks`` (mesh order)."""
+    """``group`` with its ranks numbered by their index in ``ranks`` (plan order)."""
     index = {r: i for i, r in enumerate(ranks)}
     peers = tuple(index[r] for r in dist.get_process_group_ranks(group))
     return ExchangeGroup(group, index[dist.get_rank()], peers)
 
 
-def backward_group(mesh: DeviceMesh | None) -> ExchangeGroup:
-    """A group of its own over the ranks of ``mesh`` (None: the default group's), for steps begun
-    in backward: its exchanges, launched from gradient hooks, are then never ordered among the
-    model's own collectives (FSDP2's reduce-scatters), and each rank sees them in plan order."""
-    if default_world_size() == 1 and mesh is None:
+def backward_group(ranks: Sequence[int]) -> ExchangeGroup:
+    """A group of its own over ``ranks``, for steps begun in backward: its exchanges, launched
+    from gradient hooks, are then never ordered among the model's own collectives (FSDP2's
+    reduce-scatters), and each rank sees them in plan order."""
+    if default_world_size() == 1:
         return ExchangeGroup(None, 0, (0,))
-    ranks = mesh.mesh.flatten().tolist() if mesh is not None else list(range(dist.get_world_size()))
-    return _numbered(_new_group(ranks, "backward"), ranks)
+    return _numbered(_new_group(list(ranks), "backward"), list(ranks))
 
 
 class ExchangeSite:
-    """Where a step's exchanges and checks run: ``mesh`` (None: plain tensors, over the default
-    group) and its ``ExchangeGroup``, made on first use (a subset mesh's group is a collective of
-    its ranks). ``rank`` is this rank's mesh index, known without communication."""
+    """Where a step's exchanges and checks run: the global ``ranks`` the matrices move between,
+    in plan order (``layouts.exchange_ranks``), and their ``ExchangeGroup``, made on first use
+    (a group over part of the job is a collective of its ranks); ``meshes``: the Muon
+    parameters' meshes, whose own group may serve. ``rank`` is this rank's plan index, known
+    without communication."""
 
-    def __init__(self, mesh: DeviceMesh | None) -> None:
-        self.mesh = mesh
+    def __init__(self, ranks: Sequence[int], meshes: Sequence[DeviceMesh] = ()) -> None:
+        self.ranks = tuple(ranks)
+        self.meshes = tuple(meshes)
         self._group: ExchangeGroup | None = None
         self._backward: ExchangeGroup | None = None
 
     @property
     def group(self) -> ExchangeGroup:
         if self._group is None:
-            self._group = exchange_group(self.mesh)
+            self._group = exchange_group(self.ranks, self.meshes)
         return self._group
 
     @property
     def backward(self) -> ExchangeGroup:
         """The group of steps begun in backward (``backward_group``), made on first use."""
         if self._backward is None:
-            self._backward = backward_group(self.mesh)
+            self._backward = backward_group(self.ranks)
         return self._backward
 
     @property
     def rank(self) -> int:
-        if self.mesh is None:
-            return default_rank()
-        return self.mesh.mesh.flatten().tolist().index(dist.get_rank())
+        return self.ranks.index(default_rank())
 
 
 def default_world_size() -> int:

@@ -1,19 +1,21 @@
 """Where each Muon matrix lives: the piece of it every rank holds, read from DTensor placements.
 
-Pure: no collectives. Matrices are exchanged over one mesh, the widest the Muon parameters live
-on; a parameter on a named sub-mesh of it (the dp mesh of a dp x tp job) is replicated on the
-other dims. Ranks are numbered by row-major mesh coordinate; a plain tensor in a job of W ranks
-is replicated on all of them (DDP). Each rank's block of the global tensor follows from the placements
-(Shard, Replicate, and the _StridedShard that FSDP2 puts over tensor parallelism), each cut with
-torch.chunk semantics; this rank's block is checked against DTensor's own rule and its local
-tensor. A parameter viewed as matrices (``row_blocks``) then gives each matrix one ``Piece`` per
-rank.
+Pure: no collectives. Matrices move between one set of ranks (``exchange_ranks``): those linked
+by the meshes the Muon parameters live on, which may be several views of one job's ranks (a dp x
+tp mesh and its dp sub-mesh; torchtitan's dense and expert meshes, unflattened or flattened from
+the world). Plan rank i is the i-th of them by global rank. A parameter's block on each rank
+follows from its own mesh and placements (Shard, Replicate, and the _StridedShard that FSDP2
+puts over tensor or expert parallelism), each cut with torch.chunk semantics, on every copy of
+its mesh (``mesh_copies``: a sub-mesh has one per coordinate of the dims it leaves out, each a
+replica); this rank's block is checked against DTensor's own rule and its local tensor. A plain
+tensor in a job of W ranks is replicated on all of them (DDP). A parameter viewed as matrices
+(``row_blocks``) then gives each matrix one ``Piece`` per rank.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
@@ -115,28 +117,56 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def mesh_dims_in(mesh: DeviceMesh, sub: DeviceMesh) -> list[int] | None:
-    """The dims of ``mesh`` that ``sub`` spans, when ``sub`` is ``mesh`` or a sub-mesh of it
-    sliced by dim names (``mesh["dp"]``); otherwise None."""
-    if sub == mesh:
-        return list(range(mesh.ndim))
-    names, sub_names = mesh.mesh_dim_names, sub.mesh_dim_names
-    if not names or not sub_names or not set(sub_names) <= set(names) or mesh[tuple(sub_names)] != sub:
-        return None
-    return [names.index(n) for n in sub_names]
+def mesh_copies(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+    """The global ranks of every copy of ``mesh``, each in row-major coordinate order; the copy
+    holding this rank is ``mesh.mesh``. A mesh sliced, flattened or unflattened from another
+    (``root["dp"]``, ``root._flatten()``, torchtitan's dense and sparse meshes) has one copy per
+    coordinate of the dims it leaves out; a mesh made on its own, one."""
+    layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
+    if layout is not None and rank_map is not None:  # where the mesh sits among the job's ranks
+        full = layout.remap_to_tensor(rank_map)
+    else:  # torch before mesh layouts: a mesh sliced by dim names from its root, or itself alone
+        full = _copies_by_name(mesh)
+    return tuple(tuple(copy) for copy in full.reshape(-1, mesh.size()).tolist())
 
 
-def exchange_placements(param: DTensor, name: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """``param``'s placements on the exchange ``mesh``: Replicate on dims its own mesh lacks."""
-    dims = mesh_dims_in(mesh, param.device_mesh)
-    if dims is None:
+def _copies_by_name(mesh: DeviceMesh) -> torch.Tensor:
+    from torch.distributed.device_mesh import _mesh_resources
+
+    root = _mesh_resources.get_root_mesh(mesh)
+    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    if root is mesh or not names or not set(names) <= set(root_names):
+        return mesh.mesh
+    dims = [root_names.index(n) for n in names]
+    return root.mesh.permute(*(d for d in range(root.ndim) if d not in dims), *dims)
+
+
+def exchange_ranks(meshes: Iterable[DeviceMesh], me: int) -> tuple[int, ...]:
+    """The global ranks Muon matrices move between, in plan order: rank ``me`` and every rank
+    linked to it through copies of ``meshes`` (torchtitan's dense and sparse meshes, a dp x tp
+    mesh and its dp sub-mesh: the whole job; one pipeline stage's meshes: the stage)."""
+    copies = [frozenset(copy) for mesh in meshes for copy in mesh_copies(mesh)]
+    ranks = {me}
+    while True:
+        linked = ranks.union(*(copy for copy in copies if copy & ranks))
+        if linked == ranks:
+            return tuple(sorted(ranks))
+        ranks = linked
+
+
+def copies_over(mesh: DeviceMesh, ranks: Sequence[int], name: str) -> list[tuple[int, ...]]:
+    """The copies of ``mesh`` among ``ranks``, which they must hold exactly: every rank holds the
+    parameter ``name`` once (a copy per replica)."""
+    copies = [copy for copy in mesh_copies(mesh) if set(copy) & set(ranks)]
+    held = sorted(r for copy in copies for r in copy)
+    if held != sorted(ranks):
         raise ValueError(
-            f"parameter {name!r} lives on {param.device_mesh}, not on {mesh} or a named sub-mesh of it"
+            f"parameter {name!r} lives on {mesh} over ranks {mesh.mesh.flatten().tolist()}, whose copies "
+            f"hold it on ranks {held}, but Muon matrices move between ranks {list(ranks)}: every mesh "
+            "of a Muon parameter must be a view of the same ranks (one mesh, or meshes sliced, "
+            "flattened or unflattened from one)"
         )
-    placements: list[Placement] = [Replicate()] * mesh.ndim
-    for dim, placement in zip(dims, param.placements):
-        placements[dim] = placement
-    return tuple(placements)
+    return copies
 
 
 def _chunk(start: int, length: int, parts: int, index: int) -> tuple[int, int]:
@@ -170,11 +200,6 @@ def _shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int], nam
         elif type(placement) is not Replicate:
             raise NotImplementedError(f"parameter {name!r} has unsupported placements {tuple(placements)}")
     return order + deferred
-
-
-def mesh_index(mesh: DeviceMesh) -> int:
-    """This rank's index on ``mesh``: its row-major coordinate (how plans number ranks)."""
-    return _row_major(mesh.get_coordinate(), mesh.shape)
 
 
 def _row_major(coordinate: Sequence[int], shape: Sequence[int]) -> int:
@@ -212,16 +237,18 @@ def replica_indices(mesh_shape: Sequence[int], placements: Sequence[Placement]) 
 
 
 def param_boxes(
-    param: torch.Tensor, name: str, world_size: int, mesh: DeviceMesh | None = None
+    param: torch.Tensor, name: str, ranks: Sequence[int] | None = None
 ) -> tuple[tuple[Box, ...], tuple[int, ...] | None]:
-    """(every rank's box, replica indices) for a DTensor on the exchange ``mesh`` (default: its
-    own) or a plain tensor replicated over ``world_size`` ranks."""
+    """(box of each of ``ranks``, replica indices) of a parameter: a DTensor's from its own mesh
+    and placements, on every copy of its mesh among ``ranks`` (default: its mesh's ranks); a
+    plain tensor is whole on each of ``ranks`` (default: this process alone), as under DDP.
+    Ranks with the same replica index hold disjoint blocks that tile the tensor once."""
     shape = tuple(param.shape)
     if not isinstance(param, DTensor):
-        full = ((0,) * len(shape), shape)
-        return (full,) * world_size, (tuple(range(world_size)) if world_size > 1 else None)
-    mesh = mesh or param.device_mesh
-    placements = exchange_placements(param, name, mesh)
+        count = len(ranks) if ranks is not None else 1
+        return (((0,) * len(shape), shape),) * count, (tuple(range(count)) if count > 1 else None)
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    ranks = tuple(ranks) if ranks is not None else tuple(sorted(mesh.mesh.flatten().tolist()))
     mesh_shape = tuple(mesh.shape)
     _shard_order(placements, mesh_shape, name)  # names the parameter if the layout is unsupported
     boxes = rank_boxes(shape, mesh_shape, placements)
@@ -229,7 +256,7 @@ def param_boxes(
     me = _row_major(coordinate, mesh_shape)
     # DTensor's own rule for this rank's block must agree (an empty block's offset aside), as
     # must the local tensor.
-    local, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     agrees = boxes[me][1] == tuple(local) and (boxes[me][0] == tuple(offset) or not all(local))
     if not agrees or tuple(local) != tuple(param.to_local().shape):
         raise NotImplementedError(
@@ -237,7 +264,15 @@ def param_boxes(
             f"{boxes[me][0]} of shape {boxes[me][1]} at coordinate {tuple(coordinate)}, but DTensor "
             f"places offset {tuple(offset)} shape {tuple(local)}, local shard {tuple(param.to_local().shape)}"
         )
-    return boxes, replica_indices(mesh_shape, placements)
+    inner = replica_indices(mesh_shape, placements)  # within one copy of the mesh
+    per_copy = max(inner) + 1 if inner else 1
+    copies = copies_over(mesh, ranks, name)
+    placed: dict[int, tuple[Box, int]] = {}  # global rank -> (its box, its replica index)
+    for c, copy in enumerate(copies):
+        for x, r in enumerate(copy):
+            placed[r] = boxes[x], c * per_copy + (inner[x] if inner else 0)
+    replicas = tuple(placed[r][1] for r in ranks)
+    return tuple(placed[r][0] for r in ranks), (replicas if len(copies) > 1 or inner else None)
 
 
 def row_blocks(
@@ -282,19 +317,19 @@ def describe_param(
     flatten: bool = True,
     split_sizes: list[int] | None = None,
     num_heads: int | None = None,
-    world_size: int = 1,
-    mesh: DeviceMesh | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> list[MatrixLayout]:
     """The Muon matrices of a parameter and every rank's piece of each.
 
     ``flatten`` views the weight as one (dim0, -1) matrix; otherwise a >2-D weight is a stack of
-    dim0 matrices (dim1, -1) (expert stacks). Each matrix is then cut by ``row_blocks``.
+    dim0 matrices (dim1, -1) (expert stacks). Each matrix is then cut by ``row_blocks``. ``ranks``:
+    as in ``param_boxes``.
     Raises NotImplementedError for placements whose blocks are not matrix rectangles.
     """
     if param.ndim < 2:
         raise ValueError(f"parameter {name!r} has shape {tuple(param.shape)}: Muon needs >= 2 dims")
     shape = tuple(param.shape)
-    boxes, replicas = param_boxes(param, name, world_size, mesh)
+    boxes, replicas = param_boxes(param, name, ranks)
     placements = str(getattr(param, "placements", "(plain tensor)"))
     stacked = not flatten and len(shape) > 2
     row_dim = 1 if stacked else 0
@@ -322,16 +357,16 @@ def describe_param(
 
 
 def describe_params(
-    params: Sequence[tuple[torch.Tensor, str, dict]], world_size: int = 1, mesh: DeviceMesh | None = None
+    params: Sequence[tuple[torch.Tensor, str, dict]], ranks: Sequence[int] | None = None
 ) -> tuple[list[MatrixLayout], list[int]]:
     """The matrices of (parameter, name, group options) items, and the item each belongs to.
 
-    ``world_size`` is the number of ranks plain tensors are replicated on (DDP); ``mesh`` the
-    exchange mesh DTensors are described on (each parameter's own mesh when None)."""
+    ``ranks``: the global ranks the matrices move between (``exchange_ranks``), plan rank i
+    being ``ranks[i]``; plain tensors are replicated on all of them (DDP)."""
     layouts, param_of = [], []
     for index, (param, name, group) in enumerate(params):
         for layout in describe_param(
-            param, name, group["flatten"], group["split_sizes"], group["num_heads"], world_size, mesh
+            param, name, group["flatten"], group["split_sizes"], group["num_heads"], ranks
         ):
             layouts.append(layout)
             param_of.append(index)

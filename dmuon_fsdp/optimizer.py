@@ -89,7 +89,6 @@ class DMuonFSDP(Optimizer):
         self.last_step_stats: StepStats | None = None
         self._names: dict[Tensor, str] = {}
         self._muon_meshes: dict[Any, str] = {}  # each Muon parameter's mesh -> one parameter's name
-        self._site = comm.ExchangeSite(None)
         self._indexed: list[tuple[int, Tensor]] = []  # (group index, parameter), optimizer order
         self._params: list[Tensor] = []  # the same parameters alone
         self._state_written = False  # a step or a load has written state (else swaps make it anew)
@@ -126,14 +125,16 @@ class DMuonFSDP(Optimizer):
         return program.plan if program is not None else None
 
     @property
-    def exchange_mesh(self) -> Any:
-        """The mesh Muon matrices move over: the widest their parameters live on (None: plain tensors)."""
-        return self._site.mesh if self._muon_meshes else None
+    def exchange_ranks(self) -> tuple[int, ...]:
+        """The global ranks Muon matrices move between, in plan order (plan rank i is global rank
+        ``exchange_ranks[i]``): every rank linked by the meshes the Muon parameters live on
+        (several views of one job's ranks may mix, as torchtitan's dense and expert meshes),
+        or every rank of the job for plain tensors."""
+        return self._site.ranks
 
     @property
     def exchange_rank(self) -> int:
-        """This rank's index in ``plan`` (its row-major coordinate on the exchange mesh); local,
-        no collective."""
+        """This rank's index in ``plan`` (its place among ``exchange_ranks``); local, no collective."""
         return self._site.rank
 
     def param_name(self, param: Tensor) -> str:
@@ -170,7 +171,7 @@ class DMuonFSDP(Optimizer):
     def _set_meshes(self, meshes: dict[Any, str]) -> None:
         """The parameters or their meshes changed: a new exchange site and a new program."""
         self._muon_meshes = meshes
-        self._site = comm.ExchangeSite(validation.site_mesh(meshes, self._params))
+        self._site = validation.exchange_site(meshes, self._params)
         self._programs.clear()
         self._backward.disarm()
         self._in_backward = self._options.overlap_backward and self._hooks_see_final_grads()

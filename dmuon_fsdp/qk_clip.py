@@ -57,7 +57,7 @@ def _first_row(param: Tensor, name: str) -> int:
     DTensor places every rank's block as a rectangle (``layouts.param_boxes``)."""
     if not isinstance(param, DTensor):
         return 0
-    param_boxes(param, name, comm.default_world_size())
+    param_boxes(param, name)
     return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1][0]
 
 

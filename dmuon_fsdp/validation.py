@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
-from dmuon_fsdp import comm
+from dmuon_fsdp import comm, layouts
 from dmuon_fsdp.checks import NONFINITE_POLICIES
 from dmuon_fsdp.elementwise import STATE_KEYS
-from dmuon_fsdp.layouts import describe_params, mesh_dims_in
+from dmuon_fsdp.layouts import describe_params
 from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -233,7 +233,7 @@ def check_new_groups(
     """Validate hyper-parameters and layouts of groups about to be added to the optimizer.
 
     ``meshes`` maps each mesh the Muon parameters seen so far live on (None: plain tensors) to
-    the name of one parameter on it; returns it updated (see ``exchange_mesh``).
+    the name of one parameter on it; returns it updated (see ``exchange_ranks``).
     """
     meshes = dict(meshes)
     for new in new_groups:
@@ -254,33 +254,35 @@ def check_new_groups(
                     raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
             if not new["use_muon"]:
                 continue
-            describe_params([(p, name, merged)], comm.default_world_size())  # raises for unsupported layouts
+            describe_params([(p, name, merged)])  # raises for unsupported layouts
             meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
-    exchange_mesh(meshes)
+    exchange_ranks(meshes)
     return meshes
 
 
-def exchange_mesh(meshes: dict[Any, str]) -> Any:
-    """The mesh Muon matrices are exchanged over: the widest of ``meshes`` (mesh -> a parameter's
-    name), of which every other must be a named sub-meshes (a dp x tp job: TP weights on (dp,
-    tp), the others on dp). Plain tensors (None) cannot mix with DTensors."""
-    if not meshes:
-        return None
-    widest = max(meshes, key=lambda m: -1 if m is None else m.ndim)
+def exchange_ranks(meshes: dict[Any, str]) -> tuple[int, ...]:
+    """The global ranks Muon matrices move between, in plan order, for the meshes ``meshes`` (mesh
+    -> a parameter's name on it) that Muon parameters live on: the ranks linked by copies of
+    them (``layouts.exchange_ranks``), each mesh's copies holding every one of them once.
+    Plain tensors (None) move between every rank of the job, and cannot mix with DTensors."""
+    if None in meshes and len(meshes) > 1:
+        mesh, name = next((m, n) for m, n in meshes.items() if m is not None)
+        raise ValueError(
+            f"{meshes[None]} is a plain tensor but {name} is a DTensor on {mesh}: all Muon parameters "
+            "must be DTensors, or all plain tensors"
+        )
+    if not meshes or None in meshes:
+        return tuple(range(comm.default_world_size()))
+    ranks = layouts.exchange_ranks(meshes, comm.default_rank())
     for mesh, name in meshes.items():
-        if mesh is widest:
-            continue
-        if mesh is None or widest is None or mesh_dims_in(widest, mesh) is None:
-            raise ValueError(
-                f"all Muon parameters must live on one device mesh or named sub-meshes of it: {name} is "
-                f"on {mesh} but {meshes[widest]} is on {widest}"
-            )
-    return widest
+        layouts.copies_over(mesh, ranks, name)  # every mesh holds each of the ranks once
+    return ranks
 
 
-def site_mesh(meshes: dict[Any, str], params: list[Tensor]) -> Any:
-    """The mesh a step's exchanges and checks run over: the exchange mesh, or without Muon
-    parameters the first DTensor's mesh (None: plain tensors, the default group)."""
-    if meshes:
-        return exchange_mesh(meshes)
-    return next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+def exchange_site(meshes: dict[Any, str], params: list[Tensor]) -> comm.ExchangeSite:
+    """Where a step's exchanges and checks run: between the Muon parameters' ranks, or without
+    Muon parameters those of the first DTensor's mesh (plain tensors: every rank)."""
+    if not meshes:
+        first = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+        meshes = {first: ""}
+    return comm.ExchangeSite(exchange_ranks(meshes), [m for m in meshes if m is not None])

@@ -132,7 +132,7 @@ def released_after_wait(rank, world_size):
 
     from dmuon_fsdp import comm
 
-    group = comm.exchange_group(None).group
+    group = comm.exchange_group(range(world_size)).group
     held = 0
     for trial in range(200):
         send = torch.full((world_size * 3,), float(rank + trial))

@@ -58,7 +58,7 @@ def assert_resumed_exactly(run, resumed) -> None:
 def test_accelerate_fsdp2_optimizer_built_before_or_after_prepare(tmp_path):
     result = torchrun("accelerate_fsdp2.py", tmp_path)
     before, after = result["before"], result["after"]
-    assert before[2] and after[2]  # Muon matrices exchanged over the FSDP mesh
+    assert before[2] and after[2]  # Muon matrices exchanged as FSDP shards
     assert before[0] == after[0]  # the parameter swap equals building after sharding, bitwise
     assert_same(before[1], after[1])
     for built in ("before", "after"):

@@ -8,7 +8,7 @@ import math
 import torch
 from spawn import run_ranks
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -104,24 +104,26 @@ def test_rank_boxes_agree_with_dtensor_on_random_layouts():
     assert checked == 300
 
 
-def sub_meshes_in_any_order(rank, world_size):
+def meshes_of_one_job(rank, world_size):
     root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
     def weight(mesh):
         return nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)] * mesh.ndim))
 
-    params = [
-        (f"on_{'_'.join(mesh.mesh_dim_names)}", weight(mesh)) for mesh in (root["dp"], root["tp"], root)
-    ]
-    opt = DMuonFSDP(params)
+    subs = [(f"on_{'_'.join(mesh.mesh_dim_names)}", weight(mesh)) for mesh in (root["dp"], root["tp"])]
+    views = subs + [("on_root", weight(root)), ("on_world", weight(init_device_mesh("cpu", (4,))))]
+    ranks = [DMuonFSDP(params).exchange_ranks for params in (subs, views, views[::-1])]
+    half = DeviceMesh("cpu", [0, 1] if rank < 2 else [2, 3])  # made on its own: no copies elsewhere
     try:
-        DMuonFSDP(params + [("other", weight(init_device_mesh("cpu", (4,))))])
+        DMuonFSDP(views + [("other", weight(half))])
     except ValueError as e:
-        return opt.exchange_mesh.mesh_dim_names, str(e)
-    return opt.exchange_mesh.mesh_dim_names, None
+        return ranks, str(e)
+    return ranks, None
 
 
-def test_exchange_mesh_is_the_widest_whatever_the_order():
-    for names, error in run_ranks(sub_meshes_in_any_order, 4):
-        assert names == ("dp", "tp")
-        assert error is not None and "other" in error and "one device mesh" in error
+def test_meshes_that_view_one_job_exchange_over_all_its_ranks():
+    # Sub-meshes link through their copies (dp's [0, 2] and [1, 3], tp's [0, 1] and [2, 3]); a
+    # mesh made over half of the job on its own leaves the parameter on the other half unknown.
+    for ranks, error in run_ranks(meshes_of_one_job, 4):
+        assert ranks == [(0, 1, 2, 3)] * 3
+        assert error is not None and "'other'" in error and "ranks [0, 1, 2, 3]" in error

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from instruments import CollectiveCalls
-from reference import reference_muon_step, relative_error
+from layout_runs import STEPS, check, train
 from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -19,18 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
 
-# "auto" runs (5, 16), the conv (6, 27) and (8, 40) in the Gram form and (13, 9), (9, 13) in the
-# standard one, so every layout below runs both forms; the reference is standard Newton-Schulz.
-OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm="auto")
-REFERENCE = dict(lr=0.05, weight_decay=0.1)
-STEPS = 3
-TOLERANCE = 1e-5
 # (5, 16) leaves an empty shard at 4 ranks; (13, 9) and (9, 13) split unevenly on both mesh dims.
 SHAPES = {"w5": (5, 16), "w13": (13, 9), "w9": (9, 13), "conv": (6, 3, 3, 3), "tall": (40, 8)}
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class Weights(nn.Module):
@@ -50,50 +39,6 @@ class Weights(nn.Module):
         return sum((w * torch.randn(w.shape, generator=gen)).sum() for w in local)
 
 
-def train(model, groups, loss_fn, stacked=()):
-    """STEPS steps of DMuonFSDP and of the reference on the same full gradients; counts what each
-    step did. Full tensors are read outside ``step`` only, for the comparison."""
-    params = dict(model.named_parameters())
-    ref = {n: _full(p).detach().double().clone() for n, p in params.items()}
-    bufs = {n: torch.zeros_like(p) for n, p in ref.items()}
-    opt = DMuonFSDP(groups, **OPTIONS)
-    counts = {"ns_matrices": 0, "a2a": 0, "gathers": 0, "sent": 0, "planned": 0}
-    for step in range(STEPS):
-        loss_fn(step).backward()
-        grads = {n: _full(p.grad).double() for n, p in params.items()}
-        with CollectiveCalls() as calls:
-            opt.step()
-        counts["ns_matrices"] += opt.last_step_stats.ns_matrices
-        counts["a2a"] += calls.calls["all_to_all_single"]
-        counts["gathers"] += calls.gathers
-        opt.zero_grad()
-        plan = opt.plan
-        counts["sent"] += opt.last_step_stats.bytes_sent
-        counts["planned"] += plan.elements_moved(opt.exchange_rank) * 4
-        for n in ref:
-            matrices = zip(ref[n], grads[n], bufs[n]) if n in stacked else [(ref[n], grads[n], bufs[n])]
-            for p, g, b in matrices:
-                reference_muon_step(p, g, b, **REFERENCE)
-    counts["matrices"] = len(plan.matrices)
-    counts["owned"] = sum(1 for o in plan.owners if o == opt.exchange_rank)
-    errors = {n: relative_error(_full(p).detach(), ref[n]) for n, p in params.items()}
-    return errors, counts
-
-
-def _check(results, min_owners):
-    errors = {n: max(r[0][n] for r in results) for n in results[0][0]}
-    print(f"max relative error {max(errors.values()):.2e}")  # shown with pytest -s
-    assert max(errors.values()) <= TOLERANCE, errors
-    counts = [r[1] for r in results]
-    # Each matrix orthogonalized exactly once in the whole job, spread over the ranks.
-    assert sum(c["ns_matrices"] for c in counts) == STEPS * counts[0]["matrices"]
-    assert sum(c["owned"] for c in counts) == counts[0]["matrices"]
-    assert sum(1 for c in counts if c["owned"]) >= min_owners
-    for c in counts:
-        assert c["gathers"] == 0 and c["sent"] == c["planned"]
-    return errors
-
-
 def hsdp(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = Weights(SHAPES)
@@ -103,7 +48,7 @@ def hsdp(rank, world_size):
 
 
 def test_hsdp_orthogonalizes_each_matrix_once_in_the_job():
-    _check(run_ranks(hsdp, 4), min_owners=4)
+    check(run_ranks(hsdp, 4), min_owners=4)
 
 
 def ddp(rank, world_size, replicate_dtensor):
@@ -121,7 +66,7 @@ def ddp(rank, world_size, replicate_dtensor):
 @pytest.mark.parametrize("world_size,replicate_dtensor", [(2, False), (3, False), (2, True)])
 def test_replicated_parameters_split_ns_across_ranks(world_size, replicate_dtensor):
     results = run_ranks(ddp, world_size, replicate_dtensor)
-    _check(results, min_owners=world_size)
+    check(results, min_owners=world_size)
     # Every rank holds the whole gradient: only orthogonalized matrices travel, owner to others.
     for rank, (_, counts) in enumerate(results):
         assert counts["sent"] > 0
@@ -193,7 +138,7 @@ def test_fsdp_tp_2d_mesh_row_and_column_wise(hidden):
         "Shard",
     )
     assert placements["head.weight"] == ("Shard",)
-    _check([r[:2] for r in results], min_owners=3)
+    check([r[:2] for r in results], min_owners=3)
 
 
 def experts(rank, world_size, dim):
@@ -211,7 +156,7 @@ def experts(rank, world_size, dim):
 
 @pytest.mark.parametrize("dim", [0, 1, 2])
 def test_expert_stacks_sharded_on_experts_rows_or_columns(dim):
-    _check(run_ranks(experts, 4, dim), min_owners=3)
+    check(run_ranks(experts, 4, dim), min_owners=3)
 
 
 def pipeline_stages(rank, world_size):
@@ -236,7 +181,7 @@ def pipeline_stages(rank, world_size):
 def test_pipeline_stage_submeshes_exchange_within_their_stage():
     results = run_ranks(pipeline_stages, 4, timeout=120, pg_timeout=30)
     for stage in (0, 1):
-        _check([r[:2] for r in results if r[2] == stage], min_owners=2)
+        check([r[:2] for r in results if r[2] == stage], min_owners=2)
     assert all(r[3] == 4 for r in results)
 
 
@@ -257,7 +202,7 @@ def permuted_meshes(rank, world_size, mesh_ranks, placements):
     [([[0, 2], [1, 3]], [Replicate(), Shard(0)]), ([[0, 2], [1, 3]], [Shard(1), Shard(0)])],
 )
 def test_meshes_whose_coordinates_do_not_follow_rank_order(mesh_ranks, placements):
-    _check(run_ranks(permuted_meshes, 4, mesh_ranks, placements), min_owners=2)
+    check(run_ranks(permuted_meshes, 4, mesh_ranks, placements), min_owners=2)
 
 
 def mismatched_plain(rank, world_size):

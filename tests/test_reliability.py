@@ -10,7 +10,7 @@ import torch
 from models import gradients, make_groups, sharded_model
 from spawn import run_ranks
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -100,15 +100,16 @@ def test_gradient_problems_raise_the_same_error_on_every_rank(comm_dtype):
 
 def construction_errors(rank, world_size):
     mesh_a = init_device_mesh("cpu", (world_size,), mesh_dim_names=("a",))
-    mesh_b = init_device_mesh("cpu", (world_size,), mesh_dim_names=("b",))
+    alone = DeviceMesh("cpu", [rank])  # each rank's own mesh: nothing says who holds y elsewhere
     on_a = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_a, [Shard(0)]))
-    on_b = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_b, [Shard(0)]))
-    return _outcome(lambda: DMuonFSDP([("x.weight", on_a), ("y.weight", on_b)]))
+    on_own = nn.Parameter(distribute_tensor(torch.randn(6, 4), alone, [Shard(0)]))
+    return _outcome(lambda: DMuonFSDP([("x.weight", on_a), ("y.weight", on_own)]))
 
 
-def test_parameters_on_two_meshes_name_both():
-    for kind, message in run_ranks(construction_errors, 2):
-        assert kind == "ValueError" and "x.weight" in message and "y.weight" in message
+def test_a_parameter_on_a_mesh_outside_the_others_ranks_is_named():
+    for rank, (kind, message) in enumerate(run_ranks(construction_errors, 2)):
+        assert kind == "ValueError" and "'y.weight'" in message
+        assert f"hold it on ranks [{rank}], but Muon matrices move between ranks [0, 1]" in message
 
 
 class FailingNewtonSchulz(TorchDispatchMode):

@@ -51,7 +51,9 @@ def run(built: str, checkpoint: str, **options):
     acc.save_state(checkpoint)
     losses += train(acc, model, opt, range(2, 4))
     started = opt.optimizer.last_step_stats.started_in_backward
-    return losses, snapshot(model, opt), opt.optimizer.exchange_mesh is not None, started
+    plan = opt.optimizer.plan  # made for the sharded parameters: every rank holds a part of a matrix
+    sharded = any(0 < m.pieces[plan.world_size - 1].numel < m.numel for m in plan.matrices)
+    return losses, snapshot(model, opt), sharded, started
 
 
 def resume(checkpoint: str):

@@ -1,0 +1,123 @@
+"""Mixture-of-Experts as torchtitan lays it out: one DMuonFSDP over the dense and the expert
+meshes (views of one job's ranks) equals the float64 reference Muon per expert, for both expert
+placements, the flattened mesh style, a dead expert and a step without the MoE block, HSDP x EP;
+its state resumes through DCP on another world size; a layer's E experts cost O(1) ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from instruments import OpCounter
+from layout_runs import check, full, train
+from moe import moe_block, moe_groups
+from reference import relative_error
+from spawn import run_ranks
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dmuon_fsdp import DMuonFSDP
+
+STACKS = ("experts.w1", "experts.w3", "experts.w2")
+# step -> (use the MoE block, dead expert): a dead expert gets a zero gradient, a skipped block none.
+SCHEDULE = [(True, None), (False, None), (True, 0), (True, None)]
+
+
+def experts_vs_reference(rank, world_size, style, experts, efsdp, ep):
+    model = moe_block(style, experts, efsdp, ep)
+    placements = {n: tuple(type(pl).__name__ for pl in p.placements) for n, p in model.named_parameters()}
+
+    def loss(step):
+        use_experts, dead = SCHEDULE[step]
+        return model(step, use_experts, dead)
+
+    errors, counts = train(model, moe_groups(model), loss, stacked=STACKS, steps=len(SCHEDULE))
+    return errors, counts, placements["experts.w1"]
+
+
+@pytest.mark.parametrize(
+    "style,experts,efsdp,ep,placements",
+    [
+        ("unflatten", 3, 2, 2, ("Shard", "Shard")),  # Shard(1) on efsdp; 2 and 1 experts per ep rank
+        ("unflatten", 8, 2, 2, ("_StridedShard", "Shard")),  # whole experts: 2 per rank
+        ("flatten", 3, 2, 2, ("Shard", "Shard")),  # the dense mesh flattened from (efsdp, ep)
+    ],
+)
+def test_one_optimizer_over_dense_and_expert_meshes(style, experts, efsdp, ep, placements):
+    results = run_ranks(experts_vs_reference, efsdp * ep, style, experts, efsdp, ep)
+    assert results[0][2] == placements
+    check([r[:2] for r in results], min_owners=efsdp * ep)
+
+
+def test_hsdp_times_expert_parallel_on_8_ranks():
+    results = run_ranks(experts_vs_reference, 8, "hsdp", 3, 2, 2, timeout=300)
+    assert results[0][2] == ("Replicate", "Shard", "Shard")
+    check([r[:2] for r in results], min_owners=8)
+
+
+def _train(model, opt, steps):
+    for step in steps:
+        model(step, *SCHEDULE[step % len(SCHEDULE)]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _snapshot(model, opt):
+    out = {n: full(p).detach() for n, p in model.named_parameters()}
+    out.update(
+        {f"state:{n}:{k}": full(v) for n, p in model.named_parameters() for k, v in opt.state[p].items()}
+    )
+    return out
+
+
+def save_then_continue(rank, world_size, path):
+    model = moe_block("unflatten", 4, 2, 2)
+    opt = DMuonFSDP(moe_groups(model), ns_dtype=torch.float32)
+    _train(model, opt, range(3))
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=path)
+    _train(model, opt, range(3, 5))
+    return _snapshot(model, opt)
+
+
+def load_then_continue(rank, world_size, path):
+    model = moe_block("unflatten", 4, 1, 2)  # 2 ranks: experts over ep only, dense over both
+    opt = DMuonFSDP(moe_groups(model), ns_dtype=torch.float32)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    _train(model, opt, range(3, 5))
+    return _snapshot(model, opt)
+
+
+def test_checkpoint_reshards_from_4_to_2_ranks(tmp_path):
+    original = run_ranks(save_then_continue, 4, str(tmp_path))[0]
+    resumed = run_ranks(load_then_continue, 2, str(tmp_path))[0]
+    assert original.keys() == resumed.keys()
+    errors = {k: relative_error(resumed[k], original[k]) for k in original}
+    assert max(errors.values()) <= 1e-6, errors
+
+
+def _expert_layer_ops(experts):
+    torch.manual_seed(0)
+    params = [(n, nn.Parameter(torch.randn(experts, 6, 4))) for n in ("w1", "w3")]
+    params.append(("w2", nn.Parameter(torch.randn(experts, 4, 6))))
+    opt = DMuonFSDP([{"params": params, "flatten": False}])
+    for _, p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    with OpCounter() as counter:
+        opt.step()
+    return sum(counter.ops.values()), opt.last_step_stats.ns_matrices
+
+
+def test_a_layer_of_experts_costs_the_same_ops_for_8_or_64_experts():
+    (ops8, ns8), (ops64, ns64) = _expert_layer_ops(8), _expert_layer_ops(64)
+    assert (ns8, ns64) == (24, 192)
+    assert ops8 == ops64, (ops8, ops64)

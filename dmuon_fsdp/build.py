@@ -3,12 +3,13 @@
 ``build_program`` runs the pipeline for a ``StepKey``: layouts (every rank's piece of each Muon
 matrix) -> each matrix's Newton-Schulz form and cost -> plan (owners, buckets) -> agreement over
 the ranks (one ``all_reduce``, with a check on) -> this rank's schedule -> buffers and views
-(``dmuon_fsdp.bind``). ``ProgramCache`` keeps the program and decides whether a step needs a new
-one, the same one bound to new tensors, or the one it has.
+(``dmuon_fsdp.bind``). ``ProgramCache`` keeps the programs of the step keys seen lately and
+decides which one a step runs: kept, bound to new tensors, or built.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -16,7 +17,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from dmuon_fsdp import checks, elementwise, errors
+from dmuon_fsdp import checks, comm, elementwise, errors
 from dmuon_fsdp.bind import Settings, bind, indexed, wire_group
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
@@ -29,30 +30,68 @@ from dmuon_fsdp.schedule import rank_schedule
 @dataclass(frozen=True)
 class Ready:
     """The program for a step; ``bound`` False when a parameter or its state changed layout
-    since it was bound (the step then reports that on every rank instead of running)."""
+    since it was bound (the step then reports that on every rank instead of running);
+    ``agreement``: the agreement on the step key under way, which the step waits for before its
+    first exchange (``checks.agreed``)."""
 
     program: StepProgram
     bound: bool
+    agreement: comm.Handle | None = None
+
+
+PROGRAMS_KEPT = 4  # step programs kept, least recently used dropped (each holds its buffers)
+AGREE_UNTIL_STEADY = 100  # steps a key must hold before keys are no longer agreed first
 
 
 class ProgramCache:
-    """The optimizer's step program and when to make it anew."""
+    """The optimizer's step programs, one per step key seen lately (``PROGRAMS_KEPT`` at most),
+    and which one a step runs.
+
+    Every rank must run the same program, or their exchanges would not match. With checks on, a
+    program's first exchange carries every rank's key, so a step whose key changed runs the
+    program in use once more, its flags tell that every rank changed alike (``Verdict.REBUILD``)
+    and ``follow`` takes the new key's program, kept or built. Once a step returns to a key
+    whose program is kept (a branch used every other step, an MoE block some steps skip), each
+    step also agrees on its key with one small ``all_reduce`` (``checks.key_agreement``, waited
+    for before the step's first exchange) and runs that key's program at once, until the key
+    has stayed the same for ``AGREE_UNTIL_STEADY`` steps. Without checks, each rank takes its
+    key's program."""
 
     def __init__(self) -> None:
-        self._program: StepProgram | None = None
-        self._rebind = False
+        self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
+        self._key: StepKey | None = None  # the key of the program in use
+        self._asked: StepKey | None = None  # the key of the last step
+        self._rebind: set[StepKey] = set()
+        self._agreeing = False  # keys are agreed before each step
+        self._steady = 0  # steps since the key last changed
 
     @property
     def current(self) -> StepProgram | None:
-        return self._program
+        return self._programs.get(self._key) if self._key is not None else None
 
     def clear(self) -> None:
         """Parameters, groups or meshes changed: build at the next step."""
-        self._program = None
+        self._programs.clear()
+        self._key, self._agreeing = None, False
 
     def state_replaced(self) -> None:
-        """The state tensors were replaced wholesale (``load_state_dict``): bind anew."""
-        self._rebind = True
+        """The state tensors were replaced wholesale (``load_state_dict``): the program in use
+        is bound anew at the next step; the others go, with the old tensors they hold."""
+        kept = [(key, p) for key, p in self._programs.items() if key == self._key]
+        self._programs, self._rebind = OrderedDict(kept), {key for key, _ in kept}
+
+    def follow(self) -> None:
+        """Every rank's key changed alike to the last step's (``Verdict.REBUILD``): the next
+        step runs its program."""
+        self._use(self._asked)
+
+    def _use(self, key: StepKey) -> None:
+        if key == self._key:
+            self._steady += 1
+            self._agreeing &= self._steady < AGREE_UNTIL_STEADY
+        else:
+            self._agreeing |= key in self._programs  # a return to a key seen lately
+            self._key, self._steady = key, 0
 
     def get(
         self,
@@ -63,22 +102,39 @@ class ProgramCache:
         names: dict,
         settings: Settings,
     ) -> Ready:
-        """The program for a step of ``key`` (``checks.build_now`` says when to build);
-        ``params`` are the parameters of ``groups`` in optimizer order."""
-        program = self._program
-        agreeing = settings.check_grads and program is not None and program.flags is not None
-        if checks.build_now(program.key if program is not None else None, key, agreeing):
-            self._program = None  # its buffers go before the new ones are allocated
+        """The program for a step of ``key`` (see the class docstring); ``params`` are the
+        parameters of ``groups`` in optimizer order."""
+        self._asked, agreement = key, None
+        checked = settings.check_grads and key.flags and len(settings.site.ranks) > 1  # flags travel
+        if checked and self._agreeing:
+            agreement = checks.key_agreement(key.digest, settings.site.group.group, settings.device)
+            # A program to build, or steps begun in backward: agreed first; else while its NS inputs
+            # are made (every rank's program is kept: an agreed key means the same program)
+            if key not in self._programs or settings.in_backward:
+                if not checks.agreed(agreement, key.digest):
+                    explain(groups, state, names, settings, shared=True)
+                agreement = None
+            self._use(key)
+        elif not checked or self._key is None:
+            self._use(key)
+        program = self.current
+        if program is None:
+            while len(self._programs) >= PROGRAMS_KEPT:  # their buffers go before new ones come
+                self._programs.popitem(last=False)
             elementwise.restore_state(groups, state)
-            self._program = build_program(key, groups, state, names, settings)
-        elif self._rebind or program.moved(params, state):
+            program = build_program(self._key, groups, state, names, settings)
+        elif self._key in self._rebind or program.moved(params, state):
             elementwise.restore_state(groups, state)  # state cleared by hand starts afresh
             if checks.stale_layouts(params, state):
-                return Ready(program, bound=False)
-            self._program = None
-            self._program = bind(program.plan, program.forms, program.schedule, key, groups, state, settings)
-        self._rebind = False
-        return Ready(self._program, bound=True)
+                return Ready(program, bound=False, agreement=agreement)
+            self._programs.pop(self._key)
+            program = bind(
+                program.plan, program.forms, program.schedule, program.key, groups, state, settings
+            )
+        self._rebind.discard(self._key)
+        self._programs[self._key] = program
+        self._programs.move_to_end(self._key)
+        return Ready(program, bound=True, agreement=agreement)
 
 
 def _params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:

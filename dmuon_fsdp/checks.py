@@ -129,11 +129,16 @@ def hyper_digest(groups: Sequence[dict[str, Any]]) -> int:
     return zlib.crc32(repr(hyper_numbers(groups)).encode())
 
 
-def build_now(built: StepKey | None, key: StepKey, agreeing: bool) -> bool:
-    """Whether to build a program for ``key`` before the step runs. With nothing built, or a
-    changed key, yes, unless the built program carries flags (``agreeing``): then it runs once
-    more, its flags tell every rank of the change, and all rebuild together (``Verdict.REBUILD``)."""
-    return built is None or (key != built and not agreeing)
+def key_agreement(key_digest: int, group: Any, device: torch.device) -> comm.Handle:
+    """Start agreeing on the step key before a step (only while keys alternate, see
+    ``dmuon_fsdp.build.ProgramCache``): one ``all_reduce`` of 16 bytes; ``agreed`` reads it."""
+    return comm.start_max(torch.tensor([key_digest, -key_digest], dtype=torch.int64, device=device), group)
+
+
+def agreed(agreement: comm.Handle, key_digest: int) -> bool:
+    """Whether every rank steps with the key of ``key_digest`` (one host read)."""
+    high, low = agreement.wait().tolist()
+    return high == -low == key_digest
 
 
 def encode(key_digest: int, invalid: bool, redo: bool = False) -> list[float]:

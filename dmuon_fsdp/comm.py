@@ -187,9 +187,15 @@ def default_rank() -> int:
     return dist.get_rank() if default_world_size() > 1 else 0
 
 
+def start_max(values: Tensor, group: dist.ProcessGroup | None) -> Handle:
+    """Start the element-wise maximum of ``values`` over the group (None: the default group), in
+    place; ``wait`` on the handle returns ``values``."""
+    return _start(dist.all_reduce, (values,), op=dist.ReduceOp.MAX, group=group)
+
+
 def all_max(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Element-wise maximum of ``values`` over the group (None: the default group), in place and returned."""
-    return _start(dist.all_reduce, (values,), op=dist.ReduceOp.MAX, group=group).wait()
+    return start_max(values, group).wait()
 
 
 def all_sum(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:

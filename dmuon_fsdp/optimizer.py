@@ -264,7 +264,7 @@ class DMuonFSDP(Optimizer):
                 loss = closure()
         self._follow_swaps()
         if self._run() is Verdict.REBUILD:  # every rank's gradients or options changed alike
-            self._programs.clear()
+            self._programs.follow()
             self._run()
         return loss
 
@@ -279,7 +279,7 @@ class DMuonFSDP(Optimizer):
             verdict, stats = self._backward.run(program, grads, groups, key, options, ready.bound)
         else:
             stats = StepStats(settings.device, timed=options.time_phases)
-            verdict = program.run(grads, groups, key, options, stats, ready.bound)
+            verdict = program.run(grads, groups, key, options, stats, ready.bound, ready.agreement)
         self.last_step_stats = stats
         if verdict is Verdict.EXPLAIN:  # every rank raises the same error
             build.explain(groups, self.state, self._names, settings, shared=program.flags is not None)

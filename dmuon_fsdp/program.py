@@ -219,11 +219,13 @@ class StepProgram:
         options: Options,
         stats: StepStats,
         bound: bool = True,
+        agreement: comm.Handle | None = None,
     ) -> Verdict:
         """One step: every phase in order; returns the verdict all ranks share. Nothing is
         committed unless it is ``GO``. ``bound`` False: the parameters or their state changed
-        layout since the program was bound (the step reports it, on every rank). A program
-        ``in_backward`` runs through ``dmuon_fsdp.backward`` instead."""
+        layout since the program was bound (the step reports it, on every rank). ``agreement``:
+        on the step key, under way (``checks.key_agreement``), read before the first exchange.
+        A program ``in_backward`` runs through ``dmuon_fsdp.backward`` instead."""
         if self.in_backward:
             raise RuntimeError("a program for steps begun in backward runs through dmuon_fsdp.backward")
         local = self.local_grads(grads) if bound and key == self.key else None
@@ -232,6 +234,10 @@ class StepProgram:
             if local is not None:
                 self.stages[0].run(local, groups)
             indicator = self.write_flags(key, hyper, local, options.nonfinite)
+        if agreement is not None:
+            with stats.phase("wait"):
+                if not checks.agreed(agreement, key.digest):  # every rank's exchanges would differ
+                    return abandon(Verdict.EXPLAIN, (), stats)
         in_flight = {0: self.launch(0)}
         if options.overlap and len(self.buckets) > 1:
             in_flight[1] = self.launch(1)

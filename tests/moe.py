@@ -24,7 +24,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 DIM, HIDDEN = 8, 12
 
 
-def _given(weight: torch.Tensor, seed: int, dead: int | None = None) -> torch.Tensor:
+def given_loss(weight: torch.Tensor, seed: int, dead: int | None = None) -> torch.Tensor:
     """sum(weight * g) for a g drawn over the weight's global shape; this rank multiplies its own
     block (a DTensor's local tensor) by g's matching block."""
     g = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed))
@@ -48,7 +48,7 @@ class Params(nn.Module):
             self.register_parameter(name, nn.Parameter(init))
 
     def forward(self, step: int, dead: int | None = None) -> torch.Tensor:
-        return sum(_given(p, 1000 * step + i, dead) for i, p in enumerate(self.parameters()))
+        return sum(given_loss(p, 1000 * step + i, dead) for i, p in enumerate(self.parameters()))
 
 
 class MoEBlock(nn.Module):

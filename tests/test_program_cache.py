@@ -1,0 +1,117 @@
+"""Step programs kept per gradient set: a model whose parameters with gradients alternate runs
+each set's program again without building it (one small all_reduce per step agrees on the set,
+no wasted exchange), stays exact, stops agreeing once the set holds still, and still raises the
+same error on every rank when the ranks' sets differ."""
+
+from __future__ import annotations
+
+import torch
+from instruments import CollectiveCalls
+from layout_runs import check, train
+from moe import given_loss
+from spawn import run_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp.build import AGREE_UNTIL_STEADY, PROGRAMS_KEPT
+from dmuon_fsdp.checks import GradientMismatchError
+
+SHAPES = {"a": (7, 5), "b": (6, 4), "c": (6, 4), "d": (5, 9), "e": (3, 8), "f": (9, 3)}
+
+
+class Branches(nn.Module):
+    """A weight per shape; a step's loss uses the weights it names (the others get no gradient)."""
+
+    def __init__(self, mesh=None):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        for name, shape in SHAPES.items():
+            w = torch.randn(shape, generator=gen) * 0.1
+            self.register_parameter(name, nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]) if mesh else w))
+
+    def forward(self, step: int, used: str) -> torch.Tensor:
+        return sum(given_loss(getattr(self, n), 100 * step + i) for i, n in enumerate(used))
+
+
+def per_step(rank, world_size, schedule):
+    """Per step: the collectives launched, the program's own count, and the plan used."""
+    model = Branches(init_device_mesh("cpu", (world_size,)) if world_size > 1 else None)
+    opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32)
+    out, plans = [], []
+    for step, used in enumerate(schedule):
+        model(step, used).backward()
+        with CollectiveCalls() as calls:
+            opt.step()
+        opt.zero_grad()
+        plans.append(opt.plan)
+        first = next(i for i, plan in enumerate(plans) if plan is opt.plan)  # whose program ran
+        out.append(
+            (
+                calls.calls["all_reduce"],
+                calls.calls["all_to_all_single"],
+                opt.last_step_stats.collectives,
+                first,
+            )
+        )
+    return out
+
+
+def test_alternating_sets_run_their_kept_programs():
+    schedule = ["ab", "ac"] * 4
+    steps = run_ranks(per_step, 2, schedule)[0]
+    # Step 1: the set changed; the program in use told every rank (an exchange more) and one was
+    # built (the plan agreement).
+    assert steps[1][0] == 1 and steps[1][1] > steps[1][2]
+    # Step 2 returns to a kept set: the program in use tells every rank, which then agree on
+    # their sets before each step.
+    for step, (reduces, exchanges, own, first) in enumerate(steps[3:], start=3):
+        assert first == step % 2, "the set's program from its first step, not built again"
+        assert reduces == 1 and exchanges == own, "one agreement, no wasted exchange"
+
+
+def test_a_set_that_holds_still_stops_the_agreement():
+    schedule = ["ab", "ac", "ab"] + ["ac"] * (AGREE_UNTIL_STEADY + 2)
+    steps = run_ranks(per_step, 2, schedule)[0]
+    # Agreed from step 2 (the return) to the step after which the set held for AGREE_UNTIL_STEADY.
+    assert [s[0] for s in steps[3:]] == [1] * (AGREE_UNTIL_STEADY + 1) + [0]
+
+
+def test_one_process_keeps_programs_too():
+    steps = per_step(0, 1, ["ab", "ac"] * 2 + ["ad", "ae", "af", "ab"])
+    assert [s[3] for s in steps] == [0, 1, 0, 1, 4, 5, 6, 7][: len(steps)]
+    # ab, ac, ad, ae, af: five sets, PROGRAMS_KEPT of them kept: ab's program was dropped.
+    assert PROGRAMS_KEPT < 5
+
+
+def exact(rank, world_size, schedule):
+    model = Branches(init_device_mesh("cpu", (world_size,)))
+    return train(
+        model, list(model.named_parameters()), lambda step: model(step, schedule[step]), steps=len(schedule)
+    )
+
+
+def test_kept_programs_are_exact_when_sets_cycle_past_the_bound():
+    schedule = ["ab", "ac", "ab", "ad", "ae", "af", "ab", "ac", "ab"]
+    check(run_ranks(exact, 3, schedule), min_owners=2)  # two matrices a step
+
+
+def diverging(rank, world_size, last):
+    model = Branches(init_device_mesh("cpu", (world_size,)))
+    opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32)
+    for step, used in enumerate(["ab", "ac", "ab", last if rank == 1 else "ac"]):
+        model(step, used).backward()
+        try:
+            opt.step()
+        except GradientMismatchError as e:
+            return step, str(e)
+        opt.zero_grad()
+    return None
+
+
+def test_ranks_on_different_sets_raise_alike_while_agreeing():
+    for last in ("ab", "bc"):  # a kept program on rank 1, or one it would have to build
+        first, second = run_ranks(diverging, 2, last)
+        assert first == second and first[0] == 3, (first, second)
+        assert "ranks disagree on which parameters have gradients" in first[1]

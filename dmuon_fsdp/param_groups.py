@@ -28,7 +28,10 @@ def routing(model: nn.Module, head: str | nn.Module | None = None) -> dict[nn.Pa
 
 
 def param_groups(
-    model: nn.Module, head: str | nn.Module | None = None, **muon_options: Any
+    model: nn.Module,
+    head: str | nn.Module | None = None,
+    stacked: str | tuple[str, ...] = (),
+    **muon_options: Any,
 ) -> list[dict[str, Any]]:
     """Split ``model``'s trainable parameters into a Muon group and an AdamW group.
 
@@ -37,21 +40,28 @@ def param_groups(
     submodule or its qualified name) or, when not given, the last registered ``nn.Linear`` whose
     ``out_features`` equals an embedding's ``num_embeddings`` (the vocabulary projection); a head
     tied to the embedding is the embedding's own parameter. Pass ``head=`` when the heuristic
-    does not fit the model. ``muon_options`` (lr, weight_decay, ...) go into
-    the Muon group; AdamW options come from the optimizer's ``adamw_*`` arguments. Works before
+    does not fit the model. ``stacked``: Muon parameters whose qualified name contains this text
+    (or one of these) are stacks of matrices along dim 0, orthogonalized one by one (MoE expert
+    stacks ``[E, m, n]``, e.g. ``stacked="experts"``): they form a Muon group of their own with
+    ``flatten=False``. ``muon_options`` (lr, weight_decay, ...) go into the Muon groups; AdamW
+    options come from the optimizer's ``adamw_*`` arguments. Works before
     or after ``fully_shard``. Groups carry parameter names, so errors name the parameter.
     Code that builds the optimizer from its own flat groups (the transformers ``Trainer``) gets
     the same routing with ``DMuonFSDP(groups, route=model)``.
 
     Example: ``DMuonFSDP(param_groups(model, lr=0.02), adamw_lr=3e-4)``.
     """
-    muon, adamw = [], []
+    stacked = (stacked,) if isinstance(stacked, str) else tuple(stacked)
+    muon, stacks, adamw = [], [], []
     for p, (name, to_muon) in routing(model, head).items():
         if p.requires_grad:
-            (muon if to_muon else adamw).append((name, p))
+            stack = to_muon and any(text in name for text in stacked)
+            (stacks if stack else muon if to_muon else adamw).append((name, p))
     groups: list[dict[str, Any]] = []
     if muon:
         groups.append({"params": muon, "use_muon": True, **muon_options})
+    if stacks:
+        groups.append({"params": stacks, "use_muon": True, **muon_options, "flatten": False})
     if adamw:
         groups.append({"params": adamw, "use_muon": False})
     return groups

@@ -99,14 +99,3 @@ def moe_block(style: str, experts: int, efsdp: int, ep: int) -> MoEBlock:
     fully_shard(model.dense, mesh=dense[dense_dims])
     fully_shard(model, mesh=dense[dense_dims])
     return model
-
-
-def moe_groups(model: MoEBlock) -> list[dict]:
-    """Dense matrices to Muon, the norm to AdamW, expert stacks to Muon as stacks of matrices."""
-    dense = [(f"dense.{n}", p) for n, p in model.dense.named_parameters() if p.ndim == 2]
-    experts = [(f"experts.{n}", p) for n, p in model.experts.named_parameters()]
-    return [
-        {"params": dense},
-        {"params": experts, "flatten": False},
-        {"params": [("dense.norm", model.dense.norm)], "use_muon": False},
-    ]

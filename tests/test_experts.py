@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from instruments import OpCounter
 from layout_runs import check, full, train
-from moe import moe_block, moe_groups
+from moe import moe_block
 from reference import relative_error
 from spawn import run_ranks
 from torch import nn
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp import DMuonFSDP, param_groups
 
 STACKS = ("experts.w1", "experts.w3", "experts.w2")
 # step -> (use the MoE block, dead expert): a dead expert gets a zero gradient, a skipped block none.
@@ -36,7 +36,9 @@ def experts_vs_reference(rank, world_size, style, experts, efsdp, ep):
         use_experts, dead = SCHEDULE[step]
         return model(step, use_experts, dead)
 
-    errors, counts = train(model, moe_groups(model), loss, stacked=STACKS, steps=len(SCHEDULE))
+    errors, counts = train(
+        model, param_groups(model, stacked="experts"), loss, stacked=STACKS, steps=len(SCHEDULE)
+    )
     return errors, counts, placements["experts.w1"]
 
 
@@ -77,7 +79,7 @@ def _snapshot(model, opt):
 
 def save_then_continue(rank, world_size, path):
     model = moe_block("unflatten", 4, 2, 2)
-    opt = DMuonFSDP(moe_groups(model), ns_dtype=torch.float32)
+    opt = DMuonFSDP(param_groups(model, stacked="experts"), ns_dtype=torch.float32)
     _train(model, opt, range(3))
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.save(state, checkpoint_id=path)
@@ -87,7 +89,7 @@ def save_then_continue(rank, world_size, path):
 
 def load_then_continue(rank, world_size, path):
     model = moe_block("unflatten", 4, 1, 2)  # 2 ranks: experts over ep only, dense over both
-    opt = DMuonFSDP(moe_groups(model), ns_dtype=torch.float32)
+    opt = DMuonFSDP(param_groups(model, stacked="experts"), ns_dtype=torch.float32)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])

@@ -8,7 +8,9 @@ trunk and branch A every step; the ``alternating`` copy runs branch A on even st
 on odd ones, so its gradient set (the step key) changes every step while the work per step is
 the same. The copies take turns step by step; each ``opt.step()`` is timed (medians over
 ``--steps`` after ``--warmup``), and the collectives each step launches are counted (a rebuilt
-program shows as a plan-agreement ``all_reduce`` and a wasted exchange).
+program shows as a plan-agreement ``all_reduce`` and a wasted exchange). Memory: the buffers of
+each step program rank 0 ran (``StepStats.buffer_bytes``; the alternating copy keeps one per
+gradient set) against its optimizer state (local shards).
 
     python -m benchmarks.bench_alternating --world-size 2
 """
@@ -30,6 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP, comm
+from dmuon_fsdp.layouts import local_shard
 from tests.instruments import CollectiveCalls
 
 
@@ -72,6 +75,7 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
         runs[name] = (model, DMuonFSDP(model.groups(), ns_dtype=torch.float32))
     times = {name: [] for name in runs}
     calls = {name: [] for name in runs}
+    buffers = {name: {} for name in runs}  # each program's (by its plan) buffer bytes
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
     for step in range(args.warmup + args.steps):
         for name, (model, opt) in runs.items():
@@ -85,11 +89,22 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
             if step >= args.warmup:
                 times[name].append(elapsed)
                 calls[name].append(dict(counted.calls))
+                buffers[name][id(opt.plan)] = opt.last_step_stats.buffer_bytes
     comm.all_sum(torch.zeros(1), None)  # the last collective settles before the group goes
     dist.destroy_process_group()
     if rank == 0:
         result = {
-            name: {"step_ms": statistics.median(t) * 1e3, "calls": calls[name][-1]}
+            name: {
+                "step_ms": statistics.median(t) * 1e3,
+                "calls": calls[name][-1],
+                "buffer_mib": sorted(b / 2**20 for b in buffers[name].values()),
+                "state_mib": sum(
+                    local_shard(v).numel() * v.element_size()
+                    for st in runs[name][1].state.values()
+                    for v in st.values()
+                )
+                / 2**20,
+            }
             for name, t in times.items()
         }
         Path(out).write_text(json.dumps(result))
@@ -120,11 +135,14 @@ def main() -> None:
         f"\nW={args.world_size}, dim {args.dim}, {args.layers} trunk layers, 2 branches of {args.experts} "
         f"experts (hidden {args.hidden}), medians of {args.steps} steps"
     )
-    print("| contender | opt.step ms | collectives in the last step |")
-    print("|---|---:|---|")
+    print(
+        "| contender | opt.step ms | collectives in the last step | buffers per program, MiB | state, MiB |"
+    )
+    print("|---|---:|---|---|---:|")
     for name, r in result.items():
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r["calls"].items()) if v)
-        print(f"| {name} | {r['step_ms']:.2f} | {calls} |")
+        buffers = " and ".join(f"{b:.2f}" for b in r["buffer_mib"])
+        print(f"| {name} | {r['step_ms']:.2f} | {calls} | {buffers} | {r['state_mib']:.2f} |")
     print(f"\nalternating / fixed: {result['alternating']['step_ms'] / result['fixed']['step_ms']:.2f}x")
 
 

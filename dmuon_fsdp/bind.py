@@ -89,6 +89,7 @@ def bind(
         "bytes_received": schedule.elements(sent=False) * size,
         "flag_bytes": flags.send.numel() * size if flags is not None else 0,
         "collectives": sum(e is not None for b in buckets for e in (b.to_owners, b.from_owners)),
+        "buffer_bytes": binder.allocated,
     }
     return StepProgram(
         key=key,
@@ -112,6 +113,10 @@ def bind(
         all_updates=tuple(binder.merged.values()),
         counts=counts,
     )
+
+
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _piece(local: Tensor, piece: Piece) -> Tensor:
@@ -190,6 +195,7 @@ class _Binder:
         # (destination, this rank's piece, its bucket) to fill with NS inputs
         self.feeds: list[tuple[Tensor, Transfer, int]] = []
         self.merged: dict[tuple[int, float], Updates] = {}
+        self.allocated = 0  # bytes of the buffers made (the program keeps them)
         # One NS workspace for every batch of every bucket: they are orthogonalized one at a time.
         sizes = [
             Workspace.sizes((len(batch), s, l), form.segments)
@@ -204,6 +210,7 @@ class _Binder:
             if sizes
             else None
         )
+        self.allocated += _nbytes(*(self.workspace or ()))
 
     def plan_bucket(self, k: int) -> tuple[int, ...]:
         """The matrices of schedule bucket ``k`` (none in the one bucket of a plan without any)."""
@@ -231,6 +238,7 @@ class _Binder:
         batches, matrix_views = [], {}
         for (s, l, form), members in self.members(owned).items():
             stack = torch.zeros(len(members), s, l, dtype=self.settings.ns_dtype, device=self.settings.device)
+            self.allocated += _nbytes(stack)
             work = Workspace.for_stack(stack, form.segments, self.workspace)
             batches.append(Batch(stack, form.coefficients, form.eps, form.segments, work))
             for b, j in enumerate(members):
@@ -249,9 +257,15 @@ class _Binder:
             return matrix[t.matrix][p.row : p.row + p.rows, p.col : p.col + p.cols]
 
         def staging(transfers: Sequence[Transfer]) -> list[Tensor]:
-            return _staging(transfers, self.settings.comm_dtype, self.settings.device)
+            views = _staging(transfers, self.settings.comm_dtype, self.settings.device)
+            self.allocated += _nbytes(*views)
+            return views
 
         to_owners = _wired(bucket.to_owners, self.settings, group)
+        from_owners = _wired(bucket.from_owners, self.settings, group)
+        for wired in (to_owners, from_owners):
+            if wired.exchange is not None:
+                self.allocated += _nbytes(wired.exchange.send, wired.exchange.receive)
         self.feeds += [(view, t, k) for t, view in to_owners.sent]
         assemble = Copies(
             [region(t) for t, _ in to_owners.received], [view for _, view in to_owners.received]
@@ -267,7 +281,6 @@ class _Binder:
         reads = tuple(sorted({self.entry_of(t.matrix) for _, t, _ in self.feeds[fed:]}))
         needs = tuple(sorted({self.entry_of(j) for j in self.plan_bucket(k)}))
 
-        from_owners = _wired(bucket.from_owners, self.settings, group)
         collect = Copies([view for _, view in from_owners.sent], [region(t) for t, _ in from_owners.sent])
         returned, own = list(from_owners.received), list(bucket.own_results)
         if self.staged:
@@ -323,6 +336,7 @@ class _Binder:
                         straight.append((i, direct))
                         continue
                     scratch = torch.empty_like(local)
+                    self.allocated += _nbytes(scratch)
                     through.append((i, scratch))
                     spread.dst.extend(view for view, _ in feeds[i])
                     spread.src.extend(_piece(scratch, t.piece) for _, t in feeds[i])

@@ -23,8 +23,11 @@ class StepStats:
     then). Counted for every step that ran: ``ns_matrices`` (matrices this rank orthogonalized,
     counted as each batch runs), ``ns_flops`` (their Newton-Schulz flops), ``bytes_sent`` and
     ``bytes_received`` (matrix pieces to and from other ranks, both exchanges; the check flags
-    riding in one exchange, ``flag_bytes`` each way, are not included) and
-    ``collectives`` (all-to-alls launched). With ``timed=True``, ``seconds[phase]`` holds the
+    riding in one exchange, ``flag_bytes`` each way, are not included),
+    ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers of the step program
+    that ran, which it keeps between steps: exchange buffers, stacks of owned matrices, the NS
+    workspace, staging and scratch copies; the optimizer keeps up to four programs, one per
+    gradient set seen lately). With ``timed=True``, ``seconds[phase]`` holds the
     wall time of each of ``PHASES`` (``wait``: blocked on all-to-all, summed over the step). On
     accelerators, timing synchronizes the device at every phase boundary, which removes the
     overlap of exchange and NS: time whole steps with timing off.
@@ -44,16 +47,23 @@ class StepStats:
     bytes_received: int = 0
     flag_bytes: int = 0
     collectives: int = 0
+    buffer_bytes: int = 0
     skipped: bool = False
     started_in_backward: int = 0
     redone: bool = False
 
     def count(
-        self, ns_flops: int, bytes_sent: int, bytes_received: int, flag_bytes: int, collectives: int
+        self,
+        ns_flops: int,
+        bytes_sent: int,
+        bytes_received: int,
+        flag_bytes: int,
+        collectives: int,
+        buffer_bytes: int,
     ) -> None:
         """What the step program does every step (``StepProgram.counts``)."""
         self.ns_flops, self.bytes_sent, self.bytes_received = ns_flops, bytes_sent, bytes_received
-        self.flag_bytes, self.collectives = flag_bytes, collectives
+        self.flag_bytes, self.collectives, self.buffer_bytes = flag_bytes, collectives, buffer_bytes
 
     def _sync(self) -> None:
         if self.device.type != "cpu":

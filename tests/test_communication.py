@@ -86,6 +86,7 @@ def counted_step(rank, world_size, overlap, comm_dtype, checks=True):
         "owned": sum(1 for o in plan.owners if o == me),
         "stats": opt.last_step_stats,
         "owned_flops": sum(cost for cost, o in zip(plan.costs, plan.owners) if o == me),
+        "owned_elements": sum(m.numel for m, o in zip(plan.matrices, plan.owners) if o == me),
         "matrices": len(plan.matrices),
     }
 
@@ -119,6 +120,10 @@ def test_step_communication_matches_plan(world_size, overlap, comm_dtype, checks
         assert stats.bytes_sent == stats.bytes_received == r["planned_bytes"]
         assert stats.collectives == len(r["steps"][1]["a2a"]) and stats.ns_flops == r["owned_flops"]
         assert stats.flag_bytes == r["flags"] * world_size * r["element_size"]
+        # The program's buffers hold at least both exchanges' pieces and flags and the owned
+        # matrices' fp32 stacks.
+        exchanged = stats.bytes_sent + stats.bytes_received + 2 * stats.flag_bytes
+        assert stats.buffer_bytes >= exchanged + 4 * r["owned_elements"]
         assert set(stats.seconds) <= set(PHASES) and stats.seconds["newton_schulz"] > 0
     assert sum(r["owned"] for r in results) == results[0]["matrices"]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -113,7 +114,7 @@ def meshes_of_one_job(rank, world_size):
     subs = [(f"on_{'_'.join(mesh.mesh_dim_names)}", weight(mesh)) for mesh in (root["dp"], root["tp"])]
     views = subs + [("on_root", weight(root)), ("on_world", weight(init_device_mesh("cpu", (4,))))]
     ranks = [DMuonFSDP(params).exchange_ranks for params in (subs, views, views[::-1])]
-    half = DeviceMesh("cpu", [0, 1] if rank < 2 else [2, 3])  # made on its own: no copies elsewhere
+    half = DeviceMesh.from_group(dist.new_subgroups(2)[0], "cpu")  # over [0, 1] or [2, 3], on its own
     try:
         DMuonFSDP(views + [("other", weight(half))])
     except ValueError as e:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from models import gradients, make_groups, sharded_model
 from spawn import run_ranks
 from torch import nn
@@ -100,7 +101,7 @@ def test_gradient_problems_raise_the_same_error_on_every_rank(comm_dtype):
 
 def construction_errors(rank, world_size):
     mesh_a = init_device_mesh("cpu", (world_size,), mesh_dim_names=("a",))
-    alone = DeviceMesh("cpu", [rank])  # each rank's own mesh: nothing says who holds y elsewhere
+    alone = DeviceMesh.from_group(dist.new_subgroups(1)[0], "cpu")  # each rank's own: who holds y elsewhere?
     on_a = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_a, [Shard(0)]))
     on_own = nn.Parameter(distribute_tensor(torch.randn(6, 4), alone, [Shard(0)]))
     return _outcome(lambda: DMuonFSDP([("x.weight", on_a), ("y.weight", on_own)]))

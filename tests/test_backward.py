@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from moe import moe_block
 from paired_runs import (
     BUCKET,
     STEPS,
@@ -30,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon_fsdp
-from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp import DMuonFSDP, param_groups
 
 
 def fsdp_equal(rank, world_size, ns_algorithm):
@@ -80,6 +81,34 @@ def test_hsdp_and_fsdp_tp_begun_in_backward_equal_plain(layout):
     for differing, history in run_ranks(hsdp_and_tp, 4, layout):
         assert differing == [] and history[-1][1] > 0
         assert all(not redone for *_, redone in history)
+
+
+def experts_pair(rank, world_size):
+    """torchtitan's MoE layout (dense and expert meshes), the MoE block skipped every third step:
+    the gradient set alternates, so steps switch between two kept programs."""
+    runs = []
+    for overlap in (False, True):
+        model = moe_block("unflatten", 3, 2, 2)
+        groups = param_groups(model, stacked="experts")
+        runs.append((model, DMuonFSDP(groups, lr=0.02, bucket_bytes=2**9, overlap_backward=overlap)))
+
+    def step_fn(model, opt, step):
+        loss = model(step, use_experts=step % 3 != 1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    history = train(runs, step_fn, steps=7)
+    return compare(runs), history
+
+
+def test_experts_on_their_own_mesh_begun_in_backward_equal_plain():
+    for differing, history in run_ranks(experts_pair, 4):
+        assert differing == []
+        assert all(not redone for *_, redone in history)
+        # Steps whose set is the last step's start in backward (the hooks armed its program).
+        assert [started > 0 for _, started, _ in history] == [False, False, False, True, False, False, True]
 
 
 def accumulate(rank, world_size, sync_every_micro_batch):

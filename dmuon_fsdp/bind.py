@@ -65,7 +65,7 @@ def wire_group(settings: Settings) -> comm.ExchangeGroup:
 
 def bind(
     plan: Plan,
-    forms: list[NSForm],
+    forms: Sequence[NSForm],
     schedule: RankSchedule,
     key: StepKey,
     groups: list[dict[str, Any]],
@@ -73,7 +73,7 @@ def bind(
     settings: Settings,
 ) -> StepProgram:
     """Allocate every buffer and make every view a step of ``plan`` needs on this rank
-    (``forms``: each matrix's NS form, as ``build_program`` worked it out)."""
+    (``forms``: each matrix's NS form, as ``plan_program`` worked it out)."""
     entries = [Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(indexed(groups), key.has_grad)) if has]
     binder = _Binder(plan, forms, schedule, entries, groups, settings)
     buckets = tuple(binder.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
@@ -89,13 +89,10 @@ def bind(
         "bytes_received": schedule.elements(sent=False) * size,
         "flag_bytes": flags.send.numel() * size if flags is not None else 0,
         "collectives": sum(e is not None for b in buckets for e in (b.to_owners, b.from_owners)),
-        "buffer_bytes": binder.allocated,
     }
     return StepProgram(
         key=key,
         plan=plan,
-        forms=tuple(forms),
-        schedule=schedule,
         entries=binder.entries,
         storage=tuple(t.data_ptr() for t in binder.locals),
         state_slots=tuple((e.param, k, value) for e in binder.entries for k, value in state[e.param].items()),
@@ -112,6 +109,7 @@ def bind(
         in_backward=settings.in_backward,
         all_updates=tuple(binder.merged.values()),
         counts=counts,
+        buffer_bytes=binder.allocated,
     )
 
 
@@ -180,7 +178,7 @@ class _Binder:
     def __init__(
         self,
         plan: Plan,
-        forms: list[NSForm],
+        forms: Sequence[NSForm],
         schedule: RankSchedule,
         entries: list[Entry],
         groups: list[dict[str, Any]],

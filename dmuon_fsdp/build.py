@@ -1,10 +1,11 @@
 """Building a step program: from the parameters to a plan, agreed on, bound to tensors.
 
-``build_program`` runs the pipeline for a ``StepKey``: layouts (every rank's piece of each Muon
+``plan_program`` runs the pipeline for a ``StepKey``: layouts (every rank's piece of each Muon
 matrix) -> each matrix's Newton-Schulz form and cost -> plan (owners, buckets) -> agreement over
-the ranks (one ``all_reduce``, with a check on) -> this rank's schedule -> buffers and views
-(``dmuon_fsdp.bind``). ``ProgramCache`` keeps the programs of the step keys seen lately and
-decides which one a step runs: kept, bound to new tensors, or built.
+the ranks (one ``all_reduce``, with a check on) -> this rank's schedule; ``dmuon_fsdp.bind``
+then binds it to buffers and views. ``ProgramCache`` keeps the plans of the step keys seen
+lately and their bound programs, and decides which one a step runs: bound, bound anew, or
+planned.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from dmuon_fsdp.bind import Settings, bind, indexed, wire_group
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
 from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
-from dmuon_fsdp.planner import build_plan
+from dmuon_fsdp.planner import Plan, build_plan
 from dmuon_fsdp.program import NSForm, StepProgram
-from dmuon_fsdp.schedule import rank_schedule
+from dmuon_fsdp.schedule import RankSchedule, rank_schedule
 
 
 @dataclass(frozen=True)
@@ -39,46 +40,62 @@ class Ready:
     agreement: comm.Handle | None = None
 
 
-PROGRAMS_KEPT = 4  # step programs kept, least recently used dropped (each holds its buffers)
+@dataclass(frozen=True)
+class Planned:
+    """A step key's plan, each matrix's NS form and this rank's schedule: a program but its
+    tensors (no memory to speak of)."""
+
+    key: StepKey
+    plan: Plan
+    forms: tuple[NSForm, ...]
+    schedule: RankSchedule
+
+
+PROGRAMS_KEPT = 4  # step keys whose programs are kept, least recently used dropped
 AGREE_UNTIL_STEADY = 100  # steps a key must hold before keys are no longer agreed first
 
 
 class ProgramCache:
-    """The optimizer's step programs, one per step key seen lately (``PROGRAMS_KEPT`` at most),
-    and which one a step runs.
+    """The optimizer's step programs, for the step keys seen lately (``PROGRAMS_KEPT`` at most,
+    each program with buffers of its own), and which one a step runs.
 
     Every rank must run the same program, or their exchanges would not match. With checks on, a
     program's first exchange carries every rank's key, so a step whose key changed runs the
     program in use once more, its flags tell that every rank changed alike (``Verdict.REBUILD``)
-    and ``follow`` takes the new key's program, kept or built. Once a step returns to a key
-    whose program is kept (a branch used every other step, an MoE block some steps skip), each
+    and ``follow`` takes the new key's program, kept or planned. Once a step returns to a key
+    whose plan is kept (a branch used every other step, an MoE block some steps skip), each
     step also agrees on its key with one small ``all_reduce`` (``checks.key_agreement``, waited
     for before the step's first exchange) and runs that key's program at once, until the key
     has stayed the same for ``AGREE_UNTIL_STEADY`` steps. Without checks, each rank takes its
     key's program."""
 
     def __init__(self) -> None:
-        self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
+        self._plans: OrderedDict[StepKey, Planned] = OrderedDict()
+        self._bound: dict[StepKey, StepProgram] = {}  # their programs, unless to be bound anew
         self._key: StepKey | None = None  # the key of the program in use
         self._asked: StepKey | None = None  # the key of the last step
-        self._rebind: set[StepKey] = set()
         self._agreeing = False  # keys are agreed before each step
         self._steady = 0  # steps since the key last changed
 
     @property
     def current(self) -> StepProgram | None:
-        return self._programs.get(self._key) if self._key is not None else None
+        return self._bound.get(self._key) if self._key is not None else None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of the kept programs' buffers."""
+        return sum(program.buffer_bytes for program in self._bound.values())
 
     def clear(self) -> None:
-        """Parameters, groups or meshes changed: build at the next step."""
-        self._programs.clear()
+        """Parameters, groups or meshes changed: plan at the next step."""
+        self._plans.clear()
+        self._bound.clear()
         self._key, self._agreeing = None, False
 
     def state_replaced(self) -> None:
-        """The state tensors were replaced wholesale (``load_state_dict``): the program in use
-        is bound anew at the next step; the others go, with the old tensors they hold."""
-        kept = [(key, p) for key, p in self._programs.items() if key == self._key]
-        self._programs, self._rebind = OrderedDict(kept), {key for key, _ in kept}
+        """The state tensors were replaced wholesale (``load_state_dict``): every program is bound
+        anew when next used (their buffers and views go now, with the old tensors they hold)."""
+        self._bound.clear()
 
     def follow(self) -> None:
         """Every rank's key changed alike to the last step's (``Verdict.REBUILD``): the next
@@ -90,7 +107,7 @@ class ProgramCache:
             self._steady += 1
             self._agreeing &= self._steady < AGREE_UNTIL_STEADY
         else:
-            self._agreeing |= key in self._programs  # a return to a key seen lately
+            self._agreeing |= key in self._plans  # a return to a key seen lately
             self._key, self._steady = key, 0
 
     def get(
@@ -108,9 +125,9 @@ class ProgramCache:
         checked = settings.check_grads and key.flags and len(settings.site.ranks) > 1  # flags travel
         if checked and self._agreeing:
             agreement = checks.key_agreement(key.digest, settings.site.group.group, settings.device)
-            # A program to build, or steps begun in backward: agreed first; else while its NS inputs
-            # are made (every rank's program is kept: an agreed key means the same program)
-            if key not in self._programs or settings.in_backward:
+            # A plan to make, or steps begun in backward: agreed first; else while its NS inputs
+            # are made (every rank keeps the same plans: an agreed key means the same program)
+            if key not in self._plans or settings.in_backward:
                 if not checks.agreed(agreement, key.digest):
                     explain(groups, state, names, settings, shared=True)
                 agreement = None
@@ -118,22 +135,20 @@ class ProgramCache:
         elif not checked or self._key is None:
             self._use(key)
         program = self.current
-        if program is None:
-            while len(self._programs) >= PROGRAMS_KEPT:  # their buffers go before new ones come
-                self._programs.popitem(last=False)
-            elementwise.restore_state(groups, state)
-            program = build_program(self._key, groups, state, names, settings)
-        elif self._key in self._rebind or program.moved(params, state):
+        if program is None or program.moved(params, state):
+            self._bound.pop(self._key, None)
+            del program  # its buffers go before new ones are made
             elementwise.restore_state(groups, state)  # state cleared by hand starts afresh
-            if checks.stale_layouts(params, state):
-                return Ready(program, bound=False, agreement=agreement)
-            self._programs.pop(self._key)
-            program = bind(
-                program.plan, program.forms, program.schedule, program.key, groups, state, settings
-            )
-        self._rebind.discard(self._key)
-        self._programs[self._key] = program
-        self._programs.move_to_end(self._key)
+            planned = self._plans.get(self._key)
+            if planned is None:
+                while len(self._plans) >= PROGRAMS_KEPT:
+                    self._bound.pop(self._plans.popitem(last=False)[0], None)
+                planned = self._plans[self._key] = plan_program(self._key, groups, state, names, settings)
+            program = bind(planned.plan, planned.forms, planned.schedule, self._key, groups, state, settings)
+            if checks.stale_layouts(params, state):  # every rank hears of it at the verdict
+                return Ready(program, bound=False, agreement=agreement)  # (not kept: bound to old state)
+            self._bound[self._key] = program
+        self._plans.move_to_end(self._key)
         return Ready(program, bound=True, agreement=agreement)
 
 
@@ -162,11 +177,12 @@ def _forms(
     return out
 
 
-def build_program(
+def plan_program(
     key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings
-) -> StepProgram:
-    """A new plan and program for ``key``; with a check on, one ``all_reduce`` tells every rank
-    of any rank's trouble and (with ``check_grads``) that all built the same plan."""
+) -> Planned:
+    """A new plan for ``key`` and this rank's schedule; with a check on, one ``all_reduce``
+    tells every rank of any rank's trouble and (with ``check_grads``) that all built the same
+    plan."""
     muon = [(g, p) for (g, p), has in zip(indexed(groups), key.has_grad) if has and groups[g]["use_muon"]]
     described = [(p, names[p], groups[g]) for g, p in muon]
     layouts, param_of = describe_params(described, settings.site.ranks)
@@ -204,4 +220,4 @@ def build_program(
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flags = FLAG_ELEMENTS if key.flags or settings.in_backward else 0
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, flags_last=settings.in_backward)
-    return bind(plan, forms, schedule, key, groups, state, settings)
+    return Planned(key, plan, tuple(forms), schedule)

@@ -280,6 +280,7 @@ class DMuonFSDP(Optimizer):
         else:
             stats = StepStats(settings.device, timed=options.time_phases)
             verdict = program.run(grads, groups, key, options, stats, ready.bound, ready.agreement)
+        stats.buffer_bytes = self._programs.buffer_bytes
         self.last_step_stats = stats
         if verdict is Verdict.EXPLAIN:  # every rank raises the same error
             build.explain(groups, self.state, self._names, settings, shared=program.flags is not None)

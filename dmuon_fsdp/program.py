@@ -34,7 +34,6 @@ from dmuon_fsdp.checks import Flags, StepKey, Verdict
 from dmuon_fsdp.layouts import local_shard
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
 from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.schedule import RankSchedule
 from dmuon_fsdp.stats import StepStats
 
 if TYPE_CHECKING:
@@ -177,8 +176,6 @@ class StepProgram:
 
     key: StepKey
     plan: Plan
-    forms: tuple[NSForm, ...]  # each matrix's, kept for a rebind
-    schedule: RankSchedule
     entries: tuple[Entry, ...]
     storage: tuple[int, ...]  # data_ptr of each entry's local shard when bound
     state_slots: tuple[tuple[Tensor, str, Tensor], ...]  # (parameter, state key, the tensor bound)
@@ -195,6 +192,7 @@ class StepProgram:
     in_backward: bool
     all_updates: tuple[Updates, ...]  # every bucket's, merged by step size (applied once)
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields
+    buffer_bytes: int  # of the buffers made for it
 
     def local_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor] | None:
         """This rank's gradient shards in entry order, or None when one is sparse or shaped or

@@ -24,13 +24,13 @@ class StepStats:
     counted as each batch runs), ``ns_flops`` (their Newton-Schulz flops), ``bytes_sent`` and
     ``bytes_received`` (matrix pieces to and from other ranks, both exchanges; the check flags
     riding in one exchange, ``flag_bytes`` each way, are not included),
-    ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers of the step program
-    that ran, which it keeps between steps: exchange buffers, stacks of owned matrices, the NS
-    workspace, staging and scratch copies; the optimizer keeps up to four programs, one per
-    gradient set seen lately). With ``timed=True``, ``seconds[phase]`` holds the
-    wall time of each of ``PHASES`` (``wait``: blocked on all-to-all, summed over the step). On
-    accelerators, timing synchronizes the device at every phase boundary, which removes the
-    overlap of exchange and NS: time whole steps with timing off.
+    ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers of the step
+    programs the optimizer keeps between steps: exchange buffers, stacks of owned matrices, the
+    NS workspace, staging and scratch copies, for each of up to four gradient sets seen lately).
+    With ``timed=True``, ``seconds[phase]`` holds the wall time of each of ``PHASES`` (``wait``:
+    blocked on all-to-all, summed over the step). On accelerators, timing synchronizes the device
+    at every phase boundary, which removes the overlap of exchange and NS: time whole steps with
+    timing off.
 
     With ``overlap_backward``: ``started_in_backward`` counts the buckets whose NS inputs and
     exchange to owners began in backward, and ``redone`` is True when the step was redone from
@@ -53,17 +53,11 @@ class StepStats:
     redone: bool = False
 
     def count(
-        self,
-        ns_flops: int,
-        bytes_sent: int,
-        bytes_received: int,
-        flag_bytes: int,
-        collectives: int,
-        buffer_bytes: int,
+        self, ns_flops: int, bytes_sent: int, bytes_received: int, flag_bytes: int, collectives: int
     ) -> None:
         """What the step program does every step (``StepProgram.counts``)."""
         self.ns_flops, self.bytes_sent, self.bytes_received = ns_flops, bytes_sent, bytes_received
-        self.flag_bytes, self.collectives, self.buffer_bytes = flag_bytes, collectives, buffer_bytes
+        self.flag_bytes, self.collectives = flag_bytes, collectives
 
     def _sync(self) -> None:
         if self.device.type != "cpu":

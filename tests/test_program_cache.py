@@ -36,7 +36,8 @@ class Branches(nn.Module):
 
 
 def per_step(rank, world_size, schedule):
-    """Per step: the collectives launched, the program's own count, and the plan used."""
+    """Per step: the collectives launched, the program's own count, the plan used (the step it
+    was made at) and the kept programs' buffer bytes."""
     model = Branches(init_device_mesh("cpu", (world_size,)) if world_size > 1 else None)
     opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32)
     out, plans = [], []
@@ -53,6 +54,7 @@ def per_step(rank, world_size, schedule):
                 calls.calls["all_to_all_single"],
                 opt.last_step_stats.collectives,
                 first,
+                opt.last_step_stats.buffer_bytes,
             )
         )
     return out
@@ -66,9 +68,10 @@ def test_alternating_sets_run_their_kept_programs():
     assert steps[1][0] == 1 and steps[1][1] > steps[1][2]
     # Step 2 returns to a kept set: the program in use tells every rank, which then agree on
     # their sets before each step.
-    for step, (reduces, exchanges, own, first) in enumerate(steps[3:], start=3):
+    for step, (reduces, exchanges, own, first, buffers) in enumerate(steps[3:], start=3):
         assert first == step % 2, "the set's program from its first step, not built again"
         assert reduces == 1 and exchanges == own, "one agreement, no wasted exchange"
+        assert buffers == 2 * steps[0][4] > 0, "two programs kept, alike (b and c share a shape)"
 
 
 def test_a_set_that_holds_still_stops_the_agreement():
@@ -115,3 +118,17 @@ def test_ranks_on_different_sets_raise_alike_while_agreeing():
         first, second = run_ranks(diverging, 2, last)
         assert first == second and first[0] == 3, (first, second)
         assert "ranks disagree on which parameters have gradients" in first[1]
+
+
+def test_a_loaded_state_lets_go_of_the_programs_it_replaces():
+    model = Branches()
+    opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32)
+    for step, used in enumerate(["ab", "ac", "ab"]):
+        model(step, used).backward()
+        opt.step()
+        opt.zero_grad()
+    kept = opt.last_step_stats.buffer_bytes
+    opt.load_state_dict(opt.state_dict())  # the programs held the old state tensors
+    model(3, "ab").backward()
+    opt.step()
+    assert 2 * opt.last_step_stats.buffer_bytes == kept > 0

@@ -9,7 +9,7 @@ on odd ones, so its gradient set (the step key) changes every step while the wor
 the same. The copies take turns step by step; each ``opt.step()`` is timed (medians over
 ``--steps`` after ``--warmup``), and the collectives each step launches are counted (a rebuilt
 program shows as a plan-agreement ``all_reduce`` and a wasted exchange). Memory: the buffers of
-each step program rank 0 ran (``StepStats.buffer_bytes``; the alternating copy keeps one per
+the step programs rank 0 keeps (``StepStats.buffer_bytes``; the alternating copy keeps one per
 gradient set) against its optimizer state (local shards).
 
     python -m benchmarks.bench_alternating --world-size 2
@@ -75,7 +75,6 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
         runs[name] = (model, DMuonFSDP(model.groups(), ns_dtype=torch.float32))
     times = {name: [] for name in runs}
     calls = {name: [] for name in runs}
-    buffers = {name: {} for name in runs}  # each program's (by its plan) buffer bytes
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
     for step in range(args.warmup + args.steps):
         for name, (model, opt) in runs.items():
@@ -89,7 +88,6 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
             if step >= args.warmup:
                 times[name].append(elapsed)
                 calls[name].append(dict(counted.calls))
-                buffers[name][id(opt.plan)] = opt.last_step_stats.buffer_bytes
     comm.all_sum(torch.zeros(1), None)  # the last collective settles before the group goes
     dist.destroy_process_group()
     if rank == 0:
@@ -97,7 +95,7 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
             name: {
                 "step_ms": statistics.median(t) * 1e3,
                 "calls": calls[name][-1],
-                "buffer_mib": sorted(b / 2**20 for b in buffers[name].values()),
+                "buffer_mib": runs[name][1].last_step_stats.buffer_bytes / 2**20,
                 "state_mib": sum(
                     local_shard(v).numel() * v.element_size()
                     for st in runs[name][1].state.values()
@@ -136,13 +134,12 @@ def main() -> None:
         f"experts (hidden {args.hidden}), medians of {args.steps} steps"
     )
     print(
-        "| contender | opt.step ms | collectives in the last step | buffers per program, MiB | state, MiB |"
+        "| contender | opt.step ms | collectives in the last step | program buffers, MiB | state, MiB |"
     )
     print("|---|---:|---|---|---:|")
     for name, r in result.items():
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r["calls"].items()) if v)
-        buffers = " and ".join(f"{b:.2f}" for b in r["buffer_mib"])
-        print(f"| {name} | {r['step_ms']:.2f} | {calls} | {buffers} | {r['state_mib']:.2f} |")
+        print(f"| {name} | {r['step_ms']:.2f} | {calls} | {r['buffer_mib']:.2f} | {r['state_mib']:.2f} |")
     print(f"\nalternating / fixed: {result['alternating']['step_ms'] / result['fixed']['step_ms']:.2f}x")
 
 

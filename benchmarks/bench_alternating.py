@@ -133,9 +133,7 @@ def main() -> None:
         f"\nW={args.world_size}, dim {args.dim}, {args.layers} trunk layers, 2 branches of {args.experts} "
         f"experts (hidden {args.hidden}), medians of {args.steps} steps"
     )
-    print(
-        "| contender | opt.step ms | collectives in the last step | program buffers, MiB | state, MiB |"
-    )
+    print("| contender | opt.step ms | collectives in the last step | program buffers, MiB | state, MiB |")
     print("|---|---:|---|---|---:|")
     for name, r in result.items():
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r["calls"].items()) if v)

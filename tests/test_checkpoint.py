@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import checkpoints
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -12,12 +13,6 @@ from models import gradients, make_groups, sharded_model
 from reference import relative_error
 from spawn import run_ranks
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from dmuon_fsdp import DMuonFSDP
 
@@ -45,10 +40,7 @@ def save_then_continue(rank, world_size, path):
     model = sharded_model()
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
     _train(model, opt, range(2))
-    dcp.save(
-        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-        checkpoint_id=path,
-    )
+    checkpoints.save(model, opt, path)
     _train(model, opt, range(2, 4))
     return _snapshot(model, opt)
 
@@ -56,10 +48,7 @@ def save_then_continue(rank, world_size, path):
 def load_then_continue(rank, world_size, path):
     model = sharded_model()
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
+    checkpoints.load(model, opt, path)
     _train(model, opt, range(2, 4))
     return _snapshot(model, opt)
 
@@ -118,8 +107,7 @@ def frozen_round_trip(rank, world_size, path):
     model.holders["b5"].weight.requires_grad_(False)
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
     _train(model, opt, range(2))
-    saved = get_optimizer_state_dict(model, opt)
-    dcp.save({"model": get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
+    checkpoints.save(model, opt, path)
     reference = _snapshot(model, opt)
     _train(model, opt, range(2, 4))
     expected = _snapshot(model, opt)
@@ -127,10 +115,7 @@ def frozen_round_trip(rank, world_size, path):
     for name in ("sq2", "b5"):
         fresh.holders[name].weight.requires_grad_(False)
     fresh_opt = DMuonFSDP(make_groups(fresh), ns_dtype=torch.float32)
-    state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(fresh, state["model"])
-    set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+    checkpoints.load(fresh, fresh_opt, path)
     loaded = _snapshot(fresh, fresh_opt)
     _train(fresh, fresh_opt, range(2, 4))
     return reference, loaded, expected, _snapshot(fresh, fresh_opt)

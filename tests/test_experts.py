@@ -5,21 +5,15 @@ its state resumes through DCP on another world size; a layer's E experts cost O(
 
 from __future__ import annotations
 
+import checkpoints
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from instruments import OpCounter
 from layout_runs import check, full, train
 from moe import moe_block
 from reference import relative_error
 from spawn import run_ranks
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from dmuon_fsdp import DMuonFSDP, param_groups
 
@@ -81,8 +75,7 @@ def save_then_continue(rank, world_size, path):
     model = moe_block("unflatten", 4, 2, 2)
     opt = DMuonFSDP(param_groups(model, stacked="experts"), ns_dtype=torch.float32)
     _train(model, opt, range(3))
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.save(state, checkpoint_id=path)
+    checkpoints.save(model, opt, path)
     _train(model, opt, range(3, 5))
     return _snapshot(model, opt)
 
@@ -90,10 +83,7 @@ def save_then_continue(rank, world_size, path):
 def load_then_continue(rank, world_size, path):
     model = moe_block("unflatten", 4, 1, 2)  # 2 ranks: experts over ep only, dense over both
     opt = DMuonFSDP(param_groups(model, stacked="experts"), ns_dtype=torch.float32)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
+    checkpoints.load(model, opt, path)
     _train(model, opt, range(3, 5))
     return _snapshot(model, opt)
 

@@ -117,11 +117,13 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+@lru_cache(maxsize=64)
 def mesh_copies(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
     """The global ranks of every copy of ``mesh``, each in row-major coordinate order; the copy
     holding this rank is ``mesh.mesh``. A mesh sliced, flattened or unflattened from another
     (``root["dp"]``, ``root._flatten()``, torchtitan's dense and sparse meshes) has one copy per
-    coordinate of the dims it leaves out; a mesh made on its own, one."""
+    coordinate of the dims it leaves out; a mesh made on its own, one. Cached: parameters share
+    a few meshes."""
     layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
     if layout is not None and rank_map is not None:  # where the mesh sits among the job's ranks
         full = layout.remap_to_tensor(rank_map)
@@ -154,11 +156,17 @@ def exchange_ranks(meshes: Iterable[DeviceMesh], me: int) -> tuple[int, ...]:
         ranks = linked
 
 
-def copies_over(mesh: DeviceMesh, ranks: Sequence[int], name: str) -> list[tuple[int, ...]]:
+@lru_cache(maxsize=64)
+def _copies_among(mesh: DeviceMesh, ranks: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
+    wanted = set(ranks)
+    copies = tuple(copy for copy in mesh_copies(mesh) if any(r in wanted for r in copy))
+    return copies, sorted(r for copy in copies for r in copy)
+
+
+def copies_over(mesh: DeviceMesh, ranks: Sequence[int], name: str) -> tuple[tuple[int, ...], ...]:
     """The copies of ``mesh`` among ``ranks``, which they must hold exactly: every rank holds the
     parameter ``name`` once (a copy per replica)."""
-    copies = [copy for copy in mesh_copies(mesh) if set(copy) & set(ranks)]
-    held = sorted(r for copy in copies for r in copy)
+    copies, held = _copies_among(mesh, tuple(ranks))
     if held != sorted(ranks):
         raise ValueError(
             f"parameter {name!r} lives on {mesh} over ranks {mesh.mesh.flatten().tolist()}, whose copies "

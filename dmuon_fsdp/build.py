@@ -45,7 +45,6 @@ class Planned:
     """A step key's plan, each matrix's NS form and this rank's schedule: a program but its
     tensors (no memory to speak of)."""
 
-    key: StepKey
     plan: Plan
     forms: tuple[NSForm, ...]
     schedule: RankSchedule
@@ -62,18 +61,22 @@ class ProgramCache:
     Every rank must run the same program, or their exchanges would not match. With checks on, a
     program's first exchange carries every rank's key, so a step whose key changed runs the
     program in use once more, its flags tell that every rank changed alike (``Verdict.REBUILD``)
-    and ``follow`` takes the new key's program, kept or planned. Once a step returns to a key
-    whose plan is kept (a branch used every other step, an MoE block some steps skip), each
-    step also agrees on its key with one small ``all_reduce`` (``checks.key_agreement``, waited
-    for before the step's first exchange) and runs that key's program at once, until the key
-    has stayed the same for ``AGREE_UNTIL_STEADY`` steps. Without checks, each rank takes its
-    key's program."""
+    and ``follow`` takes the new key's program, kept or planned, for the step's second run. Once
+    a step returns to a key whose plan is kept (a branch used every other step, an MoE block
+    some steps skip), each step also agrees on its key with one small ``all_reduce``
+    (``checks.key_agreement``, waited for before the step's first exchange) and runs that key's
+    program at once, until the key has stayed the same for ``AGREE_UNTIL_STEADY`` steps. The
+    kept plans and their order follow from the keys every rank agreed on; an error every rank
+    raises (``dropped``) lets all of them go, so that no rank keeps what another did not.
+    Without checks, each rank takes its key's program."""
 
     def __init__(self) -> None:
         self._plans: OrderedDict[StepKey, Planned] = OrderedDict()
         self._bound: dict[StepKey, StepProgram] = {}  # their programs, unless to be bound anew
         self._key: StepKey | None = None  # the key of the program in use
         self._asked: StepKey | None = None  # the key of the last step
+        self._again = False  # the next ``get`` runs the last step again (after ``follow``)
+        self._repeated = False  # the last two steps had one key
         self._agreeing = False  # keys are agreed before each step
         self._steady = 0  # steps since the key last changed
 
@@ -82,9 +85,21 @@ class ProgramCache:
         return self._bound.get(self._key) if self._key is not None else None
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan in use (also when its program is to be bound anew)."""
+        planned = self._plans.get(self._key) if self._key is not None else None
+        return planned.plan if planned is not None else None
+
+    @property
     def buffer_bytes(self) -> int:
         """The bytes of the kept programs' buffers."""
         return sum(program.buffer_bytes for program in self._bound.values())
+
+    @property
+    def repeated(self) -> bool:
+        """Whether the last step had the key of the one before (or none came before): hooks are
+        worth arming only for a program the next step is likely to run."""
+        return self._repeated
 
     def clear(self) -> None:
         """Parameters, groups or meshes changed: plan at the next step."""
@@ -92,15 +107,19 @@ class ProgramCache:
         self._bound.clear()
         self._key, self._agreeing = None, False
 
+    dropped = clear  # after an error every rank raised alike (see the class docstring)
+
     def state_replaced(self) -> None:
         """The state tensors were replaced wholesale (``load_state_dict``): every program is bound
-        anew when next used (their buffers and views go now, with the old tensors they hold)."""
+        anew when next used (its buffers and views go now, with the old tensors they hold, except
+        a program armed for a step begun in backward, which goes at the next step)."""
         self._bound.clear()
 
     def follow(self) -> None:
-        """Every rank's key changed alike to the last step's (``Verdict.REBUILD``): the next
-        step runs its program."""
+        """Every rank's key changed alike to the last step's (``Verdict.REBUILD``): the step runs
+        again (no agreement needed: the flags were one) with its key's program."""
         self._use(self._asked)
+        self._again = True
 
     def _use(self, key: StepKey) -> None:
         if key == self._key:
@@ -121,14 +140,17 @@ class ProgramCache:
     ) -> Ready:
         """The program for a step of ``key`` (see the class docstring); ``params`` are the
         parameters of ``groups`` in optimizer order."""
-        self._asked, agreement = key, None
+        again, self._again, agreement = self._again, False, None
+        if not again:
+            self._repeated, self._asked = self._asked in (None, key), key
         checked = settings.check_grads and key.flags and len(settings.site.ranks) > 1  # flags travel
-        if checked and self._agreeing:
+        if checked and self._agreeing and not again:
             agreement = checks.key_agreement(key.digest, settings.site.group.group, settings.device)
             # A plan to make, or steps begun in backward: agreed first; else while its NS inputs
             # are made (every rank keeps the same plans: an agreed key means the same program)
             if key not in self._plans or settings.in_backward:
                 if not checks.agreed(agreement, key.digest):
+                    self.dropped()
                     explain(groups, state, names, settings, shared=True)
                 agreement = None
             self._use(key)
@@ -220,4 +242,4 @@ def plan_program(
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flags = FLAG_ELEMENTS if key.flags or settings.in_backward else 0
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, flags_last=settings.in_backward)
-    return Planned(key, plan, tuple(forms), schedule)
+    return Planned(plan, tuple(forms), schedule)

@@ -103,7 +103,7 @@ class ExchangeGroup:
     peers: tuple[int, ...]
 
 
-_SUBSET_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_SUBSET_GROUPS: dict[tuple[Any, ...], dist.ProcessGroup] = {}
 
 
 def exchange_group(ranks: Sequence[int], meshes: Sequence[DeviceMesh] = ()) -> ExchangeGroup:

@@ -157,20 +157,22 @@ def exchange_ranks(meshes: Iterable[DeviceMesh], me: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=64)
-def _copies_among(mesh: DeviceMesh, ranks: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
+def _copies_among(
+    mesh: DeviceMesh, ranks: tuple[int, ...]
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
     wanted = set(ranks)
     copies = tuple(copy for copy in mesh_copies(mesh) if any(r in wanted for r in copy))
-    return copies, sorted(r for copy in copies for r in copy)
+    return copies, tuple(sorted(r for copy in copies for r in copy))
 
 
 def copies_over(mesh: DeviceMesh, ranks: Sequence[int], name: str) -> tuple[tuple[int, ...], ...]:
     """The copies of ``mesh`` among ``ranks``, which they must hold exactly: every rank holds the
     parameter ``name`` once (a copy per replica)."""
     copies, held = _copies_among(mesh, tuple(ranks))
-    if held != sorted(ranks):
+    if held != tuple(sorted(ranks)):
         raise ValueError(
             f"parameter {name!r} lives on {mesh} over ranks {mesh.mesh.flatten().tolist()}, whose copies "
-            f"hold it on ranks {held}, but Muon matrices move between ranks {list(ranks)}: every mesh "
+            f"hold it on ranks {list(held)}, but Muon matrices move between ranks {list(ranks)}: every mesh "
             "of a Muon parameter must be a view of the same ranks (one mesh, or meshes sliced, "
             "flattened or unflattened from one)"
         )

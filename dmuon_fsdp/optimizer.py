@@ -121,8 +121,7 @@ class DMuonFSDP(Optimizer):
     def plan(self) -> Plan | None:
         """The plan in use: owners, buckets and every rank's piece of every matrix (None before
         the first step)."""
-        program = self._programs.current
-        return program.plan if program is not None else None
+        return self._programs.plan
 
     @property
     def exchange_ranks(self) -> tuple[int, ...]:
@@ -283,10 +282,14 @@ class DMuonFSDP(Optimizer):
         stats.buffer_bytes = self._programs.buffer_bytes
         self.last_step_stats = stats
         if verdict is Verdict.EXPLAIN:  # every rank raises the same error
+            self._programs.dropped()
             build.explain(groups, self.state, self._names, settings, shared=program.flags is not None)
         self._state_written |= verdict is Verdict.GO
         if program.in_backward and verdict is not Verdict.REBUILD:
-            self._backward.arm(program, groups, options.time_phases)  # for the next backward
+            if self._programs.repeated:  # the next backward starts this program's buckets
+                self._backward.arm(program, groups, options.time_phases)
+            else:  # gradient sets that change: steps run after backward, nothing started in vain
+                self._backward.disarm()
         return verdict
 
     def _settings(self) -> Settings:

@@ -33,7 +33,7 @@ def param_groups(
     stacked: str | tuple[str, ...] = (),
     **muon_options: Any,
 ) -> list[dict[str, Any]]:
-    """Split ``model``'s trainable parameters into a Muon group and an AdamW group.
+    """Split ``model``'s trainable parameters into Muon and AdamW groups.
 
     AdamW gets every ``nn.Embedding`` weight, the output head and every parameter with fewer than
     two dims; Muon gets the remaining matrices (and conv kernels). The head is ``head`` (a
@@ -43,11 +43,13 @@ def param_groups(
     does not fit the model. ``stacked``: Muon parameters whose qualified name contains this text
     (or one of these) are stacks of matrices along dim 0, orthogonalized one by one (MoE expert
     stacks ``[E, m, n]``, e.g. ``stacked="experts"``): they form a Muon group of their own with
-    ``flatten=False``. ``muon_options`` (lr, weight_decay, ...) go into the Muon groups; AdamW
-    options come from the optimizer's ``adamw_*`` arguments. Works before
-    or after ``fully_shard``. Groups carry parameter names, so errors name the parameter.
-    Code that builds the optimizer from its own flat groups (the transformers ``Trainer``) gets
-    the same routing with ``DMuonFSDP(groups, route=model)``.
+    ``flatten=False`` (2-D weights it matches, such as torchtitan's ``shared_experts``, are
+    orthogonalized as before: ``flatten`` only tells a >2-D weight's matrices). ``muon_options``
+    (lr, weight_decay, ...) go into the Muon groups; AdamW options come from the optimizer's
+    ``adamw_*`` arguments. Works before or after ``fully_shard``. Groups carry parameter names,
+    so errors name the parameter. Code that builds the optimizer from its own flat groups (the
+    transformers ``Trainer``) gets the same routing with ``DMuonFSDP(groups, route=model)``
+    (``stacked`` has no counterpart there: set ``flatten=False`` on the groups holding experts).
 
     Example: ``DMuonFSDP(param_groups(model, lr=0.02), adamw_lr=3e-4)``.
     """

@@ -26,7 +26,8 @@ class StepStats:
     riding in one exchange, ``flag_bytes`` each way, are not included),
     ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers of the step
     programs the optimizer keeps between steps: exchange buffers, stacks of owned matrices, the
-    NS workspace, staging and scratch copies, for each of up to four gradient sets seen lately).
+    NS workspace, staging and scratch copies, for each gradient set whose program is kept:
+    ``dmuon_fsdp.build.PROGRAMS_KEPT``).
     With ``timed=True``, ``seconds[phase]`` holds the wall time of each of ``PHASES`` (``wait``:
     blocked on all-to-all, summed over the step). On accelerators, timing synchronizes the device
     at every phase boundary, which removes the overlap of exchange and NS: time whole steps with

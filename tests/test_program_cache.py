@@ -5,6 +5,7 @@ same error on every rank when the ranks' sets differ."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from instruments import CollectiveCalls
 from layout_runs import check, train
@@ -35,15 +36,15 @@ class Branches(nn.Module):
         return sum(given_loss(getattr(self, n), 100 * step + i) for i, n in enumerate(used))
 
 
-def per_step(rank, world_size, schedule):
-    """Per step: the collectives launched, the program's own count, the plan used (the step it
-    was made at) and the kept programs' buffer bytes."""
+def per_step(rank, world_size, schedule, overlap_backward=False):
+    """Per step: the collectives launched (in backward and step), the program's own count, the
+    plan used (the step it was made at) and the kept programs' buffer bytes."""
     model = Branches(init_device_mesh("cpu", (world_size,)) if world_size > 1 else None)
-    opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32)
+    opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32, overlap_backward=overlap_backward)
     out, plans = [], []
     for step, used in enumerate(schedule):
-        model(step, used).backward()
         with CollectiveCalls() as calls:
+            model(step, used).backward()
             opt.step()
         opt.zero_grad()
         plans.append(opt.plan)
@@ -60,9 +61,12 @@ def per_step(rank, world_size, schedule):
     return out
 
 
-def test_alternating_sets_run_their_kept_programs():
+@pytest.mark.parametrize("overlap_backward", [False, True])
+def test_alternating_sets_run_their_kept_programs(overlap_backward):
+    # With overlap_backward the hooks serve only a set that held for two steps: none here, so
+    # no exchange is started in backward for a program the step does not run.
     schedule = ["ab", "ac"] * 4
-    steps = run_ranks(per_step, 2, schedule)[0]
+    steps = run_ranks(per_step, 2, schedule, overlap_backward)[0]
     # Step 1: the set changed; the program in use told every rank (an exchange more) and one was
     # built (the plan agreement).
     assert steps[1][0] == 1 and steps[1][1] > steps[1][2]
@@ -101,23 +105,30 @@ def test_kept_programs_are_exact_when_sets_cycle_past_the_bound():
 
 
 def diverging(rank, world_size, last):
+    """Rank 1 steps with another set at step 3; the error is caught and training goes on alike
+    through more sets than are kept (kept plans that differed between ranks would hang)."""
     model = Branches(init_device_mesh("cpu", (world_size,)))
     opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32)
-    for step, used in enumerate(["ab", "ac", "ab", last if rank == 1 else "ac"]):
+    error = None
+    # After step 3 the kept sets, least recent first, would be ab, ac on rank 0 and ac, ab on
+    # rank 1: ad, ae and af then drop ab on one rank and ac on the other, and ab needs a plan.
+    sets = ["ab", "ac", "ab", last if rank == 1 else "ac", "ad", "ae", "af", "ab", "ac"]
+    for step, used in enumerate(sets):
         model(step, used).backward()
         try:
             opt.step()
         except GradientMismatchError as e:
-            return step, str(e)
+            error = step, str(e)
         opt.zero_grad()
-    return None
+    return error, {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
 def test_ranks_on_different_sets_raise_alike_while_agreeing():
     for last in ("ab", "bc"):  # a kept program on rank 1, or one it would have to build
-        first, second = run_ranks(diverging, 2, last)
+        (first, weights), (second, twin) = run_ranks(diverging, 2, last, timeout=60, pg_timeout=20)
         assert first == second and first[0] == 3, (first, second)
         assert "ranks disagree on which parameters have gradients" in first[1]
+        assert all(torch.equal(weights[n], twin[n]) for n in weights)
 
 
 def test_a_loaded_state_lets_go_of_the_programs_it_replaces():

@@ -139,7 +139,9 @@ def test_a_loaded_state_lets_go_of_the_programs_it_replaces():
         opt.step()
         opt.zero_grad()
     kept = opt.last_step_stats.buffer_bytes
+    plan = opt.plan
     opt.load_state_dict(opt.state_dict())  # the programs held the old state tensors
+    assert opt.plan is plan  # still the plan in use
     model(3, "ab").backward()
     opt.step()
     assert 2 * opt.last_step_stats.buffer_bytes == kept > 0

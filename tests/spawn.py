@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dmuon_fsdp import comm
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -44,6 +46,10 @@ def _rank_main(
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # Rank 0 hosts the job's store: none may leave while another still needs it (a rank
+        # that ends early, e.g. on an expected error, would reset the others' connections). A
+        # settled collective (see dmuon_fsdp.comm.settle) leaves nothing to release at exit.
+        comm.all_sum(torch.zeros(1), None)
     finally:
         dist.destroy_process_group()
     # and a normal interpreter exit: a rank that aborts there fails the test

@@ -48,8 +48,12 @@ def _rank_main(
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         # Rank 0 hosts the job's store: none may leave while another still needs it (a rank
         # that ends early, e.g. on an expected error, would reset the others' connections). A
-        # settled collective (see dmuon_fsdp.comm.settle) leaves nothing to release at exit.
-        comm.all_sum(torch.zeros(1), None)
+        # settled collective (see dmuon_fsdp.comm.settle) leaves nothing to release at exit; a
+        # group the test left broken on purpose (a timed-out collective) fails it, which is fine.
+        try:
+            comm.all_sum(torch.zeros(1), None)
+        except RuntimeError:
+            pass
     finally:
         dist.destroy_process_group()
     # and a normal interpreter exit: a rank that aborts there fails the test

@@ -323,7 +323,7 @@ def _complete(
         return abandon(verdict, progress.in_flight(), stats)
     program.commit(local, groups, stats)
     progress.finish(last)
-    apply_updates(program.all_updates, progress.from_owners, groups, stats)
+    apply_updates(program.all_updates, program.all_writes, progress.from_owners, groups, stats)
     stats.count(**program.counts)
     return verdict
 

@@ -21,10 +21,10 @@ from torch import Tensor
 
 from dmuon_fsdp import checks, comm, elementwise
 from dmuon_fsdp.checks import Flags, StepKey
-from dmuon_fsdp.layouts import Piece, local_shard
+from dmuon_fsdp.layouts import local_shard
+from dmuon_fsdp.neurons import STATE_KEY, NeuronNorm, RowNorms
 from dmuon_fsdp.newton_schulz import Workspace
-from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.program import (
+from dmuon_fsdp.parts import (
     AdamWLists,
     Batch,
     BucketProgram,
@@ -34,10 +34,12 @@ from dmuon_fsdp.program import (
     NSForm,
     NSInputs,
     Stage,
-    StepProgram,
     Updates,
 )
-from dmuon_fsdp.schedule import BucketSchedule, RankSchedule, Transfer, Wire
+from dmuon_fsdp.planner import Plan
+from dmuon_fsdp.program import StepProgram
+from dmuon_fsdp.schedule import BucketSchedule, RankSchedule, Transfer
+from dmuon_fsdp.wires import Slot, in_shape, nbytes, piece_of, rows_of, staging, wired
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def bind(
     """Allocate every buffer and make every view a step of ``plan`` needs on this rank
     (``forms``: each matrix's NS form, as ``plan_program`` worked it out)."""
     entries = [Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(indexed(groups), key.has_grad)) if has]
-    binder = _Binder(plan, forms, schedule, entries, groups, settings)
+    binder = _Binder(plan, forms, schedule, entries, groups, state, settings)
     buckets = tuple(binder.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
     muon, stages = binder.momentum(state)
     carried = [k for k, b in enumerate(schedule.buckets) if b.to_owners is not None and b.to_owners.flags]
@@ -108,68 +110,10 @@ def bind(
         flag_bucket=flag_bucket,
         in_backward=settings.in_backward,
         all_updates=tuple(binder.merged.values()),
+        all_writes=binder.writes,
         counts=counts,
         buffer_bytes=binder.allocated,
     )
-
-
-def _nbytes(*tensors: Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _piece(local: Tensor, piece: Piece) -> Tensor:
-    """A rank's piece inside a tensor shaped like its local shard (a view)."""
-    return local.view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
-
-
-def _views(buffer: Tensor, segments: Sequence[Sequence[Transfer]], flags: int) -> list[list[Tensor]]:
-    """Views of each piece in a flat buffer laid out segment after segment, flags first."""
-    views, offset = [], 0
-    for segment in segments:
-        offset += flags
-        views.append([])
-        for t in segment:
-            views[-1].append(buffer[offset : offset + t.piece.numel].view(t.piece.rows, t.piece.cols))
-            offset += t.piece.numel
-    if offset != buffer.numel():
-        raise RuntimeError(f"exchange buffer of {buffer.numel()} elements, its pieces and flags use {offset}")
-    return views
-
-
-def _staging(transfers: Sequence[Transfer], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    return _views(
-        torch.empty(sum(t.piece.numel for t in transfers), dtype=dtype, device=device), [transfers], 0
-    )[0]
-
-
-@dataclass(frozen=True)
-class _Wired:
-    """One wire bound to buffers: the exchange and each transfer's send and receive view."""
-
-    exchange: comm.Exchange | None
-    sent: list[tuple[Transfer, Tensor]]
-    received: list[tuple[Transfer, Tensor]]
-
-
-def _wired(wire: Wire | None, settings: Settings, group: Any) -> _Wired:
-    if wire is None:
-        return _Wired(None, [], [])
-    buffers = []
-    for counts, segments in ((wire.send_counts, wire.send), (wire.receive_counts, wire.receive)):
-        buffer = torch.zeros(sum(counts), dtype=settings.comm_dtype, device=settings.device)
-        views = _views(buffer, segments, wire.flags)
-        buffers.append(
-            (buffer, [(t, v) for segment, vs in zip(segments, views) for t, v in zip(segment, vs)])
-        )
-    (send, sent), (receive, received) = buffers
-    return _Wired(comm.Exchange(send, receive, wire.send_counts, wire.receive_counts, group), sent, received)
-
-
-def _in_shape(view: Tensor, local: Tensor) -> Tensor | None:
-    """``view`` seen in the local shard's shape, when it is the whole shard and can be."""
-    if view.shape == local.shape:
-        return view
-    return view.view(local.shape) if view.numel() == local.numel() and view.is_contiguous() else None
 
 
 class _Binder:
@@ -182,17 +126,22 @@ class _Binder:
         schedule: RankSchedule,
         entries: list[Entry],
         groups: list[dict[str, Any]],
+        state: Any,
         settings: Settings,
     ):
         self.plan, self.forms, self.groups, self.settings = plan, forms, groups, settings
-        self.schedule = schedule
+        self.schedule, self.state = schedule, state
         self.entries = tuple(entries)
         self.locals = [local_shard(e.param) for e in self.entries]
         self.muon = [i for i, e in enumerate(self.entries) if groups[e.group]["use_muon"]]
         self.staged = settings.comm_dtype != settings.ns_dtype
-        # (destination, this rank's piece, its bucket) to fill with NS inputs
+        # (destination, this rank's piece, its bucket) to fill with NS inputs, and with its rows'
+        # second moments (NorMuon)
         self.feeds: list[tuple[Tensor, Transfer, int]] = []
+        self.stat_feeds: list[tuple[Tensor, Transfer, int]] = []
         self.merged: dict[tuple[int, float], Updates] = {}
+        self.writes = Copies([], [])  # every bucket's new second moments into the state
+        self.rows: dict[int, tuple[Tensor, Tensor]] = {}  # the bucket's owned second moments, factors
         self.allocated = 0  # bytes of the buffers made (the program keeps them)
         # One NS workspace for every batch of every bucket: they are orthogonalized one at a time.
         sizes = [
@@ -208,7 +157,7 @@ class _Binder:
             if sizes
             else None
         )
-        self.allocated += _nbytes(*(self.workspace or ()))
+        self.allocated += nbytes(*(self.workspace or ()))
 
     def plan_bucket(self, k: int) -> tuple[int, ...]:
         """The matrices of schedule bucket ``k`` (none in the one bucket of a plan without any)."""
@@ -223,89 +172,164 @@ class _Binder:
         return group, elementwise.adjusted_lr(1.0, self.groups[group]["adjust_lr_fn"], m.rows, m.cols)
 
     def members(self, owned: Sequence[int]) -> dict[tuple[int, int, NSForm], list[int]]:
-        """Owned matrices by (short side, long side, NS form): the batches of one bucket."""
+        """Owned matrices by (short side, long side, NS form): the batches of one bucket, wide
+        matrices first."""
         members: dict[tuple[int, int, NSForm], list[int]] = defaultdict(list)
-        for j in owned:
+        for j in sorted(owned, key=lambda j: self.tall(j)):
             m = self.plan.matrices[j]
             members[(min(m.rows, m.cols), max(m.rows, m.cols), self.forms[j])].append(j)
         return members
 
-    def batches(self, owned: Sequence[int]) -> tuple[tuple[Batch, ...], dict[int, Tensor]]:
-        """Each batch of owned matrices as a new (B, s, l) stack, and each matrix's (rows, cols)
-        view into its stack (a transposed view for tall matrices)."""
-        batches, matrix_views = [], {}
+    def tall(self, j: int) -> bool:
+        return self.plan.matrices[j].rows > self.plan.matrices[j].cols
+
+    def batches(self, owned: Sequence[int]) -> tuple[tuple[Batch, ...], dict[int, Tensor], NeuronNorm | None]:
+        """Each batch of owned matrices as a new (B, s, l) stack, each matrix's (rows, cols)
+        view into its stack (a transposed view for tall matrices), and NorMuon on those of
+        NorMuon's groups (``neurons``)."""
+        batches, matrix_views, normed = [], {}, []
         for (s, l, form), members in self.members(owned).items():
             stack = torch.zeros(len(members), s, l, dtype=self.settings.ns_dtype, device=self.settings.device)
-            self.allocated += _nbytes(stack)
+            self.allocated += nbytes(stack)
             work = Workspace.for_stack(stack, form.segments, self.workspace)
             batches.append(Batch(stack, form.coefficients, form.eps, form.segments, work))
             for b, j in enumerate(members):
-                tall = self.plan.matrices[j].rows > self.plan.matrices[j].cols
-                matrix_views[j] = stack[b].mT if tall else stack[b]
-        return tuple(batches), matrix_views
+                matrix_views[j] = stack[b].mT if self.tall(j) else stack[b]
+            if form.neurons is not None:
+                normed.append((stack, members, form.neurons))
+        return tuple(batches), matrix_views, self.neurons(normed)
+
+    def neurons(self, normed: list[tuple[Tensor, list[int], tuple[float, float]]]) -> NeuronNorm | None:
+        """NorMuon on the batches ``normed`` (stack, members, (beta2, eps)): float32 buffers for
+        the owned matrices' rows' norms, second moments and factors; ``self.rows`` holds each
+        matrix's second moments and factors."""
+        self.rows = {}
+        total = sum(self.plan.matrices[j].rows for _, members, _ in normed for j in members)
+        if not total:
+            return None
+        flats = [torch.zeros(total, dtype=torch.float32, device=self.settings.device) for _ in range(3)]
+        self.allocated += nbytes(*flats)
+        norms, lists, offset = [], defaultdict(list), 0
+        for stack, members, (beta2, eps) in normed:
+            wide = sum(not self.tall(j) for j in members)
+            start = offset
+            for part, dim in ((stack[:wide], -1), (stack[wide:], -2)):  # norms over columns
+                if part.shape[0]:
+                    size = part.shape[0] * part.shape[-3 - dim]  # matrices x rows (the other dim)
+                    norms.append(RowNorms(part, dim, flats[0][start : start + size].view(part.shape[0], -1)))
+                    start += size
+            for j in members:
+                m = self.plan.matrices[j]
+                for name, flat in zip(("rows", "v", "factors"), flats):
+                    lists[name].append(flat[offset : offset + m.rows])
+                lists["betas"].append(beta2)
+                lists["weights"].append((1.0 - beta2) / m.cols)
+                lists["eps"].append(eps)
+                self.rows[j] = lists["v"][-1], lists["factors"][-1]
+                offset += m.rows
+        return NeuronNorm(tuple(norms), **lists)
+
+    def second_moments(self, t: Transfer) -> Tensor:
+        """This rank's state of ``t``'s rows (NorMuon's second moments)."""
+        param = self.entries[self.entry_of(t.matrix)].param
+        return rows_of(local_shard(self.state[param][STATE_KEY]), t.piece)
 
     def bucket(self, k: int, bucket: BucketSchedule) -> BucketProgram:
         """Bucket ``k``'s exchanges, stacks, copies and updates."""
-        batches, matrix = self.batches(bucket.owned)
+        batches, matrix, neurons = self.batches(bucket.owned)
         fed = len(self.feeds)
         group = wire_group(self.settings).group
+        comm_dtype, device = self.settings.comm_dtype, self.settings.device
 
         def region(t: Transfer) -> Tensor:
             p = t.piece
             return matrix[t.matrix][p.row : p.row + p.rows, p.col : p.col + p.cols]
 
-        def staging(transfers: Sequence[Transfer]) -> list[Tensor]:
-            views = _staging(transfers, self.settings.comm_dtype, self.settings.device)
-            self.allocated += _nbytes(*views)
-            return views
+        def owner_rows(t: Transfer) -> tuple[Tensor, Tensor]:
+            """The owner's second moments and factors of ``t``'s rows."""
+            v, f = self.rows[t.matrix]
+            return v[t.piece.row : t.piece.row + t.piece.rows], f[t.piece.row : t.piece.row + t.piece.rows]
 
-        to_owners = _wired(bucket.to_owners, self.settings, group)
-        from_owners = _wired(bucket.from_owners, self.settings, group)
-        for wired in (to_owners, from_owners):
-            if wired.exchange is not None:
-                self.allocated += _nbytes(wired.exchange.send, wired.exchange.receive)
-        self.feeds += [(view, t, k) for t, view in to_owners.sent]
-        assemble = Copies(
-            [region(t) for t, _ in to_owners.received], [view for _, view in to_owners.received]
-        )
+        def staged(transfers: Sequence[Transfer]) -> list[Slot]:
+            self.allocated += sum(t.numel for t in transfers) * comm_dtype.itemsize
+            return staging(transfers, comm_dtype, device)
+
+        def collected(slot: Slot) -> None:
+            """The owner's result of ``slot``'s piece (and its rows' statistics) into the slot."""
+            collect.add(slot.piece, region(slot.transfer))
+            if slot.stats is not None:
+                v, f = owner_rows(slot.transfer)
+                collect.add(slot.second_moments, v)
+                collect.add(slot.factors.view(-1), f)
+
+        to_owners = wired(bucket.to_owners, comm_dtype, device, group)
+        from_owners = wired(bucket.from_owners, comm_dtype, device, group)
+        for wire in (to_owners, from_owners):
+            if wire.exchange is not None:
+                self.allocated += nbytes(wire.exchange.send, wire.exchange.receive)
+        self.feeds += [(slot.piece, slot.transfer, k) for slot in to_owners.sent]
+        self.stat_feeds += [(s.stats, s.transfer, k) for s in to_owners.sent if s.stats is not None]
+        assemble = Copies([], [])
+        for slot in to_owners.received:
+            assemble.add(region(slot.transfer), slot.piece)
+            if slot.stats is not None:
+                assemble.add(owner_rows(slot.transfer)[0], slot.stats)
         own = list(bucket.own_pieces)
         if self.staged:
-            stage = staging(own)
-            self.feeds += [(view, t, k) for view, t in zip(stage, own)]
-            assemble.dst.extend(region(t) for t in own)
-            assemble.src.extend(stage)
+            for slot in staged(own):
+                self.feeds.append((slot.piece, slot.transfer, k))
+                assemble.add(region(slot.transfer), slot.piece)
         else:
             self.feeds += [(region(t), t, k) for t in own]
+        for t in own:
+            if t.stats:
+                assemble.add(owner_rows(t)[0], self.second_moments(t))
         reads = tuple(sorted({self.entry_of(t.matrix) for _, t, _ in self.feeds[fed:]}))
         needs = tuple(sorted({self.entry_of(j) for j in self.plan_bucket(k)}))
 
-        collect = Copies([view for _, view in from_owners.sent], [region(t) for t, _ in from_owners.sent])
-        returned, own = list(from_owners.received), list(bucket.own_results)
-        if self.staged:
-            stage = staging(own)
-            collect.dst.extend(stage)
-            collect.src.extend(region(t) for t in own)
-            returned += list(zip(own, stage))
+        collect = Copies([], [])
+        for slot in from_owners.sent:
+            collected(slot)
+
+        def result(slot: Slot) -> tuple:
+            """(transfer, its result, [its rows' new second moments and factors]) of a slot."""
+            return (
+                slot.transfer,
+                slot.piece,
+                *((slot.second_moments, slot.factors) if slot.stats is not None else ()),
+            )
+
+        returned = [result(slot) for slot in from_owners.received]
+        if self.staged:  # through the wire's dtype, so that replicas round alike
+            for slot in staged(bucket.own_results):
+                collected(slot)
+                returned.append(result(slot))
         else:
-            returned += [(t, region(t)) for t in own]
+            returned += [(t, region(t), *(owner_rows(t) if t.stats else ())) for t in bucket.own_results]
         mine: dict[tuple[int, float], Updates] = {}
-        for t, direction in returned:
-            target = _piece(self.locals[self.entry_of(t.matrix)], t.piece)
+        writes = Copies([], [])
+        for t, direction, *stats in returned:
+            cls = self.update_class(t.matrix)
             for table in (mine, self.merged):
-                u = table.setdefault(
-                    self.update_class(t.matrix), Updates(*self.update_class(t.matrix), [], [])
-                )
-                u.params.append(target)
+                u = table.setdefault(cls, Updates(*cls, [], [], [] if stats else None))
+                u.params.append(piece_of(self.locals[self.entry_of(t.matrix)], t.piece))
                 u.directions.append(direction)
+                if stats:
+                    u.factors.append(stats[1].view(-1, 1))
+            if stats:
+                for copies in (writes, self.writes):
+                    copies.add(self.second_moments(t), stats[0])
         return BucketProgram(
             reads,
             needs,
             to_owners.exchange,
             assemble,
             batches,
+            neurons,
             collect,
             from_owners.exchange,
             tuple(mine.values()),
+            writes,
         )
 
     def momentum(self, state: Any) -> tuple[tuple[MuonLists, ...], tuple[Stage, ...]]:
@@ -320,6 +344,8 @@ class _Binder:
             first[i] = min(first.get(i, k), k) if self.settings.in_backward else 0
         count = len(self.schedule.buckets) if self.settings.in_backward else 1
         stages = [([], Copies([], [])) for _ in range(count)]
+        for view, t, _ in self.stat_feeds:  # the rows' second moments go with the first inputs
+            stages[first[self.entry_of(t.matrix)]][1].add(view, self.second_moments(t))
         lists = []
         for group, members in self._by_group(muon=True).items():
             buffer = {i: local_shard(state[self.entries[i].param]["momentum_buffer"]) for i in members}
@@ -329,15 +355,15 @@ class _Binder:
                     if i not in first or first[i] != s:
                         continue  # nothing of it is orthogonalized here (another replica sends it)
                     local = self.locals[i]
-                    direct = _in_shape(feeds[i][0][0], local) if len(feeds[i]) == 1 else None
+                    direct = in_shape(feeds[i][0][0], local) if len(feeds[i]) == 1 else None
                     if direct is not None:  # the one piece is the whole shard
                         straight.append((i, direct))
                         continue
                     scratch = torch.empty_like(local)
-                    self.allocated += _nbytes(scratch)
+                    self.allocated += nbytes(scratch)
                     through.append((i, scratch))
                     spread.dst.extend(view for view, _ in feeds[i])
-                    spread.src.extend(_piece(scratch, t.piece) for _, t in feeds[i])
+                    spread.src.extend(piece_of(scratch, t.piece) for _, t in feeds[i])
                 inputs.extend(
                     NSInputs(
                         group,

@@ -23,8 +23,9 @@ from dmuon_fsdp.bind import Settings, bind, indexed, wire_group
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
 from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
+from dmuon_fsdp.parts import NSForm
 from dmuon_fsdp.planner import Plan, build_plan
-from dmuon_fsdp.program import NSForm, StepProgram
+from dmuon_fsdp.program import StepProgram
 from dmuon_fsdp.schedule import RankSchedule, rank_schedule
 
 
@@ -195,7 +196,12 @@ def _forms(
     for m, group in zip(matrices, groups):
         coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         segments = ns_segments(group["ns_algorithm"], coefficients, dtype, m.rows, m.cols)
-        out.append(NSForm(coefficients, float(group["eps"]), segments))
+        neurons = (
+            (float(group["normuon_beta2"]), float(group["normuon_eps"]))
+            if group["variant"] == "normuon"
+            else None
+        )
+        out.append(NSForm(coefficients, float(group["eps"]), segments, neurons))
     return out
 
 
@@ -241,5 +247,6 @@ def plan_program(
     exchange = wire_group(settings)
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flags = FLAG_ELEMENTS if key.flags or settings.in_backward else 0
-    schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, flags_last=settings.in_backward)
+    row_stats = [j for j, form in enumerate(forms) if form.neurons is not None]  # NorMuon's
+    schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, settings.in_backward, row_stats)
     return Planned(plan, tuple(forms), schedule)

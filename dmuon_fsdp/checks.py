@@ -31,6 +31,7 @@ from torch import Tensor
 
 from dmuon_fsdp import comm
 from dmuon_fsdp.layouts import local_shard
+from dmuon_fsdp.neurons import STATE_KEY
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
@@ -44,6 +45,9 @@ STRUCTURAL = (
     "flatten",
     "split_sizes",
     "num_heads",
+    "variant",
+    "normuon_beta2",
+    "normuon_eps",
 )
 
 # Per-step options that every rank must step with alike (read at every step, so not in the key):
@@ -216,9 +220,11 @@ class Flags:
 
 
 def stale_layouts(params: Sequence[Tensor], state: Any) -> set[Tensor]:
-    """Parameters whose local shard no longer matches their state (resharded or resized)."""
-    return {
-        p
-        for p in params
-        if any(key != "step" and local_shard(v).shape != local_shard(p).shape for key, v in state[p].items())
-    }
+    """Parameters whose local shard no longer matches their state (resharded or resized); NorMuon's
+    second moments match the local shard's leading (row) dims."""
+
+    def matches(key: str, value: Tensor, local: Tensor) -> bool:
+        shape = local_shard(value).shape
+        return key == "step" or shape == (local.shape[: len(shape)] if key == STATE_KEY else local.shape)
+
+    return {p for p in params if not all(matches(k, v, local_shard(p)) for k, v in state[p].items())}

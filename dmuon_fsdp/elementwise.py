@@ -13,29 +13,47 @@ from torch import Tensor
 from torch.optim.adamw import adamw as torch_adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-STATE_KEYS = {True: ("momentum_buffer",), False: ("step", "exp_avg", "exp_avg_sq")}  # by use_muon
+from dmuon_fsdp.neurons import STATE_KEY, second_moment_like
 
 
-def initial_state(p: Tensor, use_muon: bool) -> dict[str, Tensor]:
+def state_keys(group: dict[str, Any]) -> tuple[str, ...]:
+    """The state entries of a parameter of ``group``: Muon's momentum buffer (and NorMuon's
+    second moments of its rows), or AdamW's ``step`` and moments."""
+    if not group["use_muon"]:
+        return ("step", "exp_avg", "exp_avg_sq")
+    return ("momentum_buffer", STATE_KEY) if group["variant"] == "normuon" else ("momentum_buffer",)
+
+
+def initial_state(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
     """A parameter's optimizer state before its first step, placed like the parameter: Muon's
-    momentum buffer, or AdamW's moments and ``step`` (a plain tensor on the parameter's device,
-    where fused AdamW reads it)."""
+    momentum buffer (and NorMuon's second moments, placed like the parameter's rows), or AdamW's
+    moments and ``step`` (a plain tensor on the parameter's device, where fused AdamW reads it)."""
     zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
-    if use_muon:
-        return {"momentum_buffer": zeros}
+    if group["use_muon"]:
+        state = {"momentum_buffer": zeros}
+        if group["variant"] == "normuon":
+            state[STATE_KEY] = second_moment_like(p, group["flatten"])
+        return state
     step = torch.zeros((), dtype=torch.float32, device=p.device)
     return {"step": step, "exp_avg": zeros, "exp_avg_sq": torch.zeros_like(zeros)}
 
 
 def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
     """Make afresh the state that was cleared or removed by hand (``opt.state.clear()``, ``del
-    opt.state[p]``, a new ``opt.state``): a parameter with fewer state entries than its kind
-    holds starts as before its first step, as with torch's optimizers (whose state is lazy)."""
+    opt.state[p]``, a new ``opt.state``): a parameter missing a state entry of its kind starts as
+    before its first step, as with torch's optimizers (whose state is lazy). A group whose
+    ``variant`` changed keeps its momentum: NorMuon's second moments start at zero, or go."""
     for group in groups:
-        held = len(STATE_KEYS[group["use_muon"]])
+        keys = state_keys(group)
         for p in group["params"]:
-            if len(state.get(p, ())) < held:
-                state[p] = initial_state(p, group["use_muon"])
+            held = state.get(p, {})
+            missing = [key for key in keys if key not in held]
+            if missing == [STATE_KEY]:
+                held[STATE_KEY] = second_moment_like(p, group["flatten"])
+            elif missing:
+                state[p] = initial_state(p, group)
+            elif STATE_KEY in held and STATE_KEY not in keys:
+                del held[STATE_KEY]
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:

@@ -81,6 +81,9 @@ class DMuonFSDP(Optimizer):
         split_sizes: list[int] | None = None,
         num_heads: int | None = None,
         route: nn.Module | None = None,
+        variant: str = "muon",
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
     ):
         validation.check_lr(lr)  # before torch looks at params, as torch's own optimizers do
         self._options = Options(
@@ -113,6 +116,9 @@ class DMuonFSDP(Optimizer):
             flatten=flatten,
             split_sizes=split_sizes,
             num_heads=num_heads,
+            variant=variant,
+            normuon_beta2=normuon_beta2,
+            normuon_eps=normuon_eps,
         )
         super().__init__(params, defaults)
         self._route = None  # holding the model's tensors would keep them alive after a swap
@@ -151,7 +157,9 @@ class DMuonFSDP(Optimizer):
         new_groups, names = validation.split_group(
             param_group, len(self._indexed), self._names, self.defaults, self._route
         )
-        meshes = validation.check_new_groups(new_groups, names, self.defaults, self._muon_meshes)
+        meshes = validation.check_new_groups(
+            new_groups, names, self.defaults, self._muon_meshes, len(self.param_groups)
+        )
         count = len(self.param_groups)
         try:  # torch's checks (e.g. names on every group or none) come last: undo on failure
             for new in new_groups:
@@ -164,7 +172,7 @@ class DMuonFSDP(Optimizer):
             for p in self.param_groups[g]["params"]:
                 self._indexed.append((g, p))
                 self._params.append(p)
-                self.state[p].update(initial_state(p, self.param_groups[g]["use_muon"]))
+                self.state[p].update(initial_state(p, self.param_groups[g]))
         self._set_meshes(meshes)
 
     def _set_meshes(self, meshes: dict[Any, str]) -> None:

@@ -32,139 +32,12 @@ from torch import Tensor
 from dmuon_fsdp import checks, comm, elementwise
 from dmuon_fsdp.checks import Flags, StepKey, Verdict
 from dmuon_fsdp.layouts import local_shard
-from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
+from dmuon_fsdp.parts import AdamWLists, BucketProgram, Copies, Entry, MuonLists, Stage, Updates
 from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.stats import StepStats
 
 if TYPE_CHECKING:
     from dmuon_fsdp.validation import Options
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A parameter with a gradient this step: its index in the optimizer's flat parameter list
-    (where its gradient is read) and its param group."""
-
-    position: int
-    group: int
-    param: Tensor
-
-
-@dataclass(frozen=True)
-class Copies:
-    """Pairs of views copied by one ``_foreach_copy_`` (dtype conversion included)."""
-
-    dst: list[Tensor]
-    src: list[Tensor]
-
-    def run(self) -> None:
-        if self.dst:
-            torch._foreach_copy_(self.dst, self.src)
-
-
-@dataclass(frozen=True)
-class NSForm:
-    """How one matrix is orthogonalized: its group's NS settings and the form for its shape."""
-
-    coefficients: tuple[Coefficients, ...]
-    eps: float
-    segments: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Matrices of one shape and NS settings (coefficients, eps, form), stacked (B, s, l) and
-    orthogonalized in place."""
-
-    stack: Tensor
-    coefficients: tuple[Coefficients, ...]
-    eps: float
-    segments: tuple[int, ...]
-    work: Workspace
-
-    def orthogonalize(self) -> None:
-        orthogonalize_(self.stack, self.coefficients, self.eps, self.work, self.segments)
-
-
-@dataclass(frozen=True)
-class Updates:
-    """``params -= lr * scale * directions`` on views of local shards, ``lr`` read from param
-    group ``group`` at each step; ``directions`` are views of orthogonalized results."""
-
-    group: int
-    scale: float
-    params: list[Tensor]
-    directions: list[Tensor]
-
-    def apply(self, groups: Sequence[dict[str, Any]]) -> None:
-        torch._foreach_add_(self.params, self.directions, alpha=-float(groups[self.group]["lr"]) * self.scale)
-
-
-@dataclass(frozen=True)
-class BucketProgram:
-    reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
-    needs: tuple[int, ...]  # those of every parameter with a matrix in it, on any rank
-    to_owners: comm.Exchange | None
-    assemble: Copies  # received pieces (and own ones, when staged) into the stacks
-    batches: tuple[Batch, ...]
-    collect: Copies  # results into the return buffer (and the local staging)
-    from_owners: comm.Exchange | None
-    updates: tuple[Updates, ...]
-
-
-@dataclass(frozen=True)
-class NSInputs:
-    """Where some matrices' Newton-Schulz inputs are written: their send-buffer or stack views
-    themselves (shaped like the local shards), or scratch copies of the shards that
-    their ``Stage`` spreads into place. ``grads`` index the step's local gradients; ``group``
-    is the param group whose momentum and nesterov apply."""
-
-    group: int
-    grads: tuple[int, ...]
-    buffers: list[Tensor]  # momentum buffers, read
-    destinations: list[Tensor]
-    in_place: bool  # destinations have the buffers' dtype: compute in them
-
-
-@dataclass(frozen=True)
-class Stage:
-    """The NS inputs made at one time: every one in a plain step; in a step started in backward,
-    those of the parameters whose first bucket is this stage's (made once its gradients landed).
-    ``spread`` copies their scratch copies into place."""
-
-    inputs: tuple[NSInputs, ...]
-    spread: Copies
-
-    def run(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
-        """Write the inputs; the momentum buffers are only read (``commit`` updates them after
-        the verdict)."""
-        for inputs in self.inputs:
-            group = groups[inputs.group]
-            weight = elementwise.input_weight(group["momentum"], group["nesterov"])
-            mine = [grads[i] for i in inputs.grads]
-            elementwise.muon_input(inputs.destinations, inputs.buffers, mine, weight, inputs.in_place)
-        self.spread.run()
-
-
-@dataclass(frozen=True)
-class MuonLists:
-    """One Muon param group's tensors; ``grads`` index the step's local gradients."""
-
-    group: int
-    grads: tuple[int, ...]
-    params: list[Tensor]
-    buffers: list[Tensor]
-
-
-@dataclass(frozen=True)
-class AdamWLists:
-    group: int
-    grads: tuple[int, ...]
-    params: list[Tensor]
-    exp_avgs: list[Tensor]
-    exp_avg_sqs: list[Tensor]
-    steps: list[Tensor]
-    kernel: dict[str, bool]
 
 
 @dataclass(frozen=True)
@@ -191,6 +64,7 @@ class StepProgram:
     flag_bucket: int
     in_backward: bool
     all_updates: tuple[Updates, ...]  # every bucket's, merged by step size (applied once)
+    all_writes: Copies  # every bucket's
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields
     buffer_bytes: int  # of the buffers made for it
 
@@ -250,9 +124,9 @@ class StepProgram:
                 in_flight[ahead] = self.launch(ahead)
             returns.append(self.finish(k, in_flight.pop(k), stats))
             if not options.overlap:
-                apply_updates(bucket.updates, [returns.pop()], groups, stats)
+                apply_updates(bucket.updates, bucket.writes, [returns.pop()], groups, stats)
         if options.overlap:
-            apply_updates(self.all_updates, returns, groups, stats)
+            apply_updates(self.all_updates, self.all_writes, returns, groups, stats)
         stats.count(**self.counts)
         return verdict
 
@@ -277,6 +151,8 @@ class StepProgram:
                 for batch in bucket.batches:
                     batch.orthogonalize()
                     stats.ns_matrices += batch.stack.shape[0]
+                if bucket.neurons is not None:
+                    bucket.neurons.run()
         with stats.phase("return"):
             if not discarded:
                 bucket.collect.run()
@@ -384,6 +260,7 @@ def abandon(verdict: Verdict, in_flight: Iterable[comm.Handle | None], stats: St
 
 def apply_updates(
     updates: Sequence[Updates],
+    writes: Copies,
     returns: Sequence[comm.Handle | None],
     groups: Sequence[dict[str, Any]],
     stats: StepStats,
@@ -394,3 +271,4 @@ def apply_updates(
     with stats.phase("apply"):
         for u in updates:
             u.apply(groups)
+        writes.run()

@@ -6,14 +6,17 @@ the owner's replica), and the exchange *from owners* brings every holder, replic
 piece of each orthogonalized matrix. Each is one ``all_to_all_single`` whose buffer holds one
 segment per peer in process-group order; a segment is ``flags`` check elements (in the
 exchange that carries them only, own segment included; see ``dmuon_fsdp.checks``) followed by
-the pieces in bucket order. Pieces that stay on this rank never enter a buffer (``own_pieces``,
-``own_results``). Split sizes are derived from these lists, and the lists are checked when they
-are built (``check``).
+the pieces in bucket order. A piece of a matrix whose rows carry statistics (NorMuon's second
+moments, see ``dmuon_fsdp.neurons``) is followed by them: to the owner, the old values of its
+rows once per row (with the pieces that hold the matrix's first column); back, the new values
+and the rows' update factors. Pieces that stay on this rank never enter a buffer
+(``own_pieces``, ``own_results``). Split sizes are derived from these lists, and the lists are
+checked when they are built (``check``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from dmuon_fsdp.layouts import Piece
@@ -22,10 +25,16 @@ from dmuon_fsdp.planner import Bucket, Plan
 
 @dataclass(frozen=True)
 class Transfer:
-    """One piece on the move: the rectangle ``piece`` of matrix ``matrix``."""
+    """One piece on the move: the rectangle ``piece`` of matrix ``matrix``, followed by
+    ``stats`` numbers per row of it (row statistics: 0, 1 to the owner, 2 back)."""
 
     matrix: int
     piece: Piece
+    stats: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.piece.numel + self.stats * self.piece.rows
 
 
 Segments = tuple[tuple[Transfer, ...], ...]
@@ -42,11 +51,11 @@ class Wire:
 
     @property
     def send_counts(self) -> list[int]:
-        return [self.flags + sum(t.piece.numel for t in segment) for segment in self.send]
+        return [self.flags + sum(t.numel for t in segment) for segment in self.send]
 
     @property
     def receive_counts(self) -> list[int]:
-        return [self.flags + sum(t.piece.numel for t in segment) for segment in self.receive]
+        return [self.flags + sum(t.numel for t in segment) for segment in self.receive]
 
 
 @dataclass(frozen=True)
@@ -66,14 +75,17 @@ class RankSchedule:
     """Every exchange of a plan seen from plan rank ``rank``; ``peers[g]`` is the plan rank of
     process-group rank g. One bucket's exchange to owners carries the step's check flags when the job
     has more than one rank: the first, or the last for a step started in backward (see
-    ``dmuon_fsdp.backward``); a plan without matrices gets one empty bucket for them."""
+    ``dmuon_fsdp.backward``); a plan without matrices gets one empty bucket for them.
+    ``row_stats``: the matrices whose rows' statistics travel with their pieces."""
 
     rank: int
     peers: tuple[int, ...]
     buckets: tuple[BucketSchedule, ...]
+    row_stats: frozenset[int] = frozenset()
 
     def elements(self, sent: bool) -> int:
-        """Matrix elements sent to (or received from) other ranks per step, flags excluded."""
+        """Matrix elements sent to (or received from) other ranks per step (without the flags
+        and the rows' statistics)."""
         total = 0
         for bucket in self.buckets:
             for wire in (bucket.to_owners, bucket.from_owners):
@@ -83,41 +95,60 @@ class RankSchedule:
         return total
 
 
-def _sends_to_owners(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
+def _to_owner(j: int, piece: Piece, row_stats: Collection[int]) -> Transfer:
+    """A piece on its way to the owner, with its rows' statistics when it starts the rows (one
+    copy of each row's, whichever column blocks the rows are cut into)."""
+    return Transfer(j, piece, int(j in row_stats and piece.col == 0))
+
+
+def _back(j: int, piece: Piece, row_stats: Collection[int]) -> Transfer:
+    """A piece of a result on its way back, with its rows' new statistics and update factors."""
+    return Transfer(j, piece, 2 * (j in row_stats))
+
+
+def _sends_to_owners(
+    plan: Plan, bucket: Bucket, me: int, row_stats: Collection[int]
+) -> dict[int, list[Transfer]]:
     """Owner -> this rank's pieces it sends there (one copy: senders are the owner's replica)."""
     out: dict[int, list[Transfer]] = {}
     for j in bucket.matrices:
         if me in plan.senders[j]:
-            out.setdefault(plan.owners[j], []).append(Transfer(j, plan.matrices[j].pieces[me]))
+            out.setdefault(plan.owners[j], []).append(_to_owner(j, plan.matrices[j].pieces[me], row_stats))
     return out
 
 
-def _receives_as_owner(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
+def _receives_as_owner(
+    plan: Plan, bucket: Bucket, me: int, row_stats: Collection[int]
+) -> dict[int, list[Transfer]]:
     """Sender -> the pieces of this rank's matrices it sends here."""
     out: dict[int, list[Transfer]] = {}
     for j in plan.owned_by(bucket, me):
         for src in sorted(plan.senders[j]):
-            out.setdefault(src, []).append(Transfer(j, plan.matrices[j].pieces[src]))
+            out.setdefault(src, []).append(_to_owner(j, plan.matrices[j].pieces[src], row_stats))
     return out
 
 
-def _returns_as_owner(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
+def _returns_as_owner(
+    plan: Plan, bucket: Bucket, me: int, row_stats: Collection[int]
+) -> dict[int, list[Transfer]]:
     """Holder -> its pieces of the results this rank owns."""
     out: dict[int, list[Transfer]] = {}
     for j in plan.owned_by(bucket, me):
         for dst, piece in enumerate(plan.matrices[j].pieces):
             if piece.numel:
-                out.setdefault(dst, []).append(Transfer(j, piece))
+                out.setdefault(dst, []).append(_back(j, piece, row_stats))
     return out
 
 
-def _returns_from_owners(plan: Plan, bucket: Bucket, me: int) -> dict[int, list[Transfer]]:
+def _returns_from_owners(
+    plan: Plan, bucket: Bucket, me: int, row_stats: Collection[int]
+) -> dict[int, list[Transfer]]:
     """Owner -> this rank's pieces of the results it owns."""
     out: dict[int, list[Transfer]] = {}
     for j in bucket.matrices:
         piece = plan.matrices[j].pieces[me]
         if piece.numel:
-            out.setdefault(plan.owners[j], []).append(Transfer(j, piece))
+            out.setdefault(plan.owners[j], []).append(_back(j, piece, row_stats))
     return out
 
 
@@ -145,11 +176,16 @@ def _wire(
 
 
 def rank_schedule(
-    plan: Plan, rank: int, peers: Sequence[int], flags: int = 0, flags_last: bool = False
+    plan: Plan,
+    rank: int,
+    peers: Sequence[int],
+    flags: int = 0,
+    flags_last: bool = False,
+    row_stats: Collection[int] = (),
 ) -> RankSchedule:
     """``rank``'s schedule for ``plan`` (see ``RankSchedule``), with ``flags`` check elements per
-    segment of the first exchange (of the last one with ``flags_last``), checked before it is
-    returned."""
+    segment of the first exchange (of the last one with ``flags_last``) and the statistics of
+    the rows of the matrices ``row_stats``, checked before it is returned."""
     peers = tuple(peers)
     if sorted(peers) != list(range(plan.world_size)) or not 0 <= rank < plan.world_size:
         raise ValueError(f"peers {peers} and rank {rank} do not number the plan's {plan.world_size} ranks")
@@ -159,8 +195,14 @@ def rank_schedule(
     flagged = len(planned) - 1 if flags_last else 0
     for k, bucket in enumerate(planned):
         carried = flags if k == flagged and multi else 0
-        sends, receives = _sends_to_owners(plan, bucket, rank), _receives_as_owner(plan, bucket, rank)
-        returns, returned = _returns_as_owner(plan, bucket, rank), _returns_from_owners(plan, bucket, rank)
+        sends, receives = (
+            _sends_to_owners(plan, bucket, rank, row_stats),
+            _receives_as_owner(plan, bucket, rank, row_stats),
+        )
+        returns, returned = (
+            _returns_as_owner(plan, bucket, rank, row_stats),
+            _returns_from_owners(plan, bucket, rank, row_stats),
+        )
         if sends.get(rank, []) != receives.get(rank, []) or returns.get(rank, []) != returned.get(rank, []):
             raise RuntimeError(f"exchange schedule: rank {rank}'s pieces to itself disagree in bucket {k}")
         buckets.append(
@@ -172,7 +214,7 @@ def rank_schedule(
                 own_results=tuple(returned.get(rank, ())),
             )
         )
-    schedule = RankSchedule(rank, peers, tuple(buckets))
+    schedule = RankSchedule(rank, peers, tuple(buckets), frozenset(row_stats))
     check(plan, schedule)
     return schedule
 
@@ -180,9 +222,11 @@ def rank_schedule(
 def check(plan: Plan, schedule: RankSchedule) -> None:
     """Invariants of one rank's schedule; a failure is a bug in the layouts or the planner.
 
-    Every owned matrix is covered exactly by what arrives (area and bounds of the pieces), every
-    held piece comes back exactly once, the buffers are consumed exactly by their pieces, and
-    the elements moved equal the planner's own count (``Plan.elements_moved``).
+    Every owned matrix is covered exactly by what arrives (area and bounds of the pieces), and
+    its rows' statistics, where they travel, once per row; every held piece comes back exactly
+    once (with its rows' new statistics and factors, where they travel); the buffers are
+    consumed exactly by their pieces, and the elements moved equal the planner's own count
+    (``Plan.elements_moved``).
     """
     me = schedule.rank
 
@@ -192,6 +236,7 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
     held: dict[int, int] = {}
     for k, bucket in enumerate(schedule.buckets):
         covered = {j: 0 for j in bucket.owned}
+        stat_rows = {j: 0 for j in bucket.owned}
         arriving = bucket.to_owners.receive if bucket.to_owners else ()
         for t in [t for segment in arriving for t in segment] + list(bucket.own_pieces):
             m, p = plan.matrices[t.matrix], t.piece
@@ -201,13 +246,17 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
                     "outside it"
                 )
             covered[t.matrix] += p.numel
+            stat_rows[t.matrix] += t.stats * p.rows
         for j, area in covered.items():
             if area != plan.matrices[j].numel:
                 fail(f"bucket {k}: matrix {j} is covered by {area} elements, not {plan.matrices[j].numel}")
+            if stat_rows[j] != (plan.matrices[j].rows if j in schedule.row_stats else 0):
+                fail(f"bucket {k}: matrix {j} receives statistics for {stat_rows[j]} rows")
         returned = bucket.from_owners.receive if bucket.from_owners else ()
         for t in [t for segment in returned for t in segment] + list(bucket.own_results):
-            if t.piece != plan.matrices[t.matrix].pieces[me]:
-                fail(f"bucket {k} returns {t.piece} of matrix {t.matrix}, not this rank's piece")
+            stats = 2 * (t.matrix in schedule.row_stats)
+            if t.piece != plan.matrices[t.matrix].pieces[me] or t.stats != stats:
+                fail(f"bucket {k} returns {t}, not this rank's piece with {stats} statistics per row")
             held[t.matrix] = held.get(t.matrix, 0) + 1
         for wire in (bucket.to_owners, bucket.from_owners):
             if wire is not None and len(wire.send) != len(schedule.peers):

@@ -23,7 +23,8 @@ class StepStats:
     then). Counted for every step that ran: ``ns_matrices`` (matrices this rank orthogonalized,
     counted as each batch runs), ``ns_flops`` (their Newton-Schulz flops), ``bytes_sent`` and
     ``bytes_received`` (matrix pieces to and from other ranks, both exchanges; the check flags
-    riding in one exchange, ``flag_bytes`` each way, are not included),
+    riding in one exchange, ``flag_bytes`` each way, and NorMuon's row statistics, one or two
+    numbers per row, are not included),
     ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers of the step
     programs the optimizer keeps between steps: exchange buffers, stacks of owned matrices, the
     NS workspace, staging and scratch copies, for each gradient set whose program is kept:

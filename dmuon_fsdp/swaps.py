@@ -56,12 +56,13 @@ def follow(
         if new is old:
             state[new] = saved
         elif written and saved:
+            fresh = initial_state(new, groups[g])  # how each entry is placed on the new tensor
             state[new] = {
-                key: value.to(new.device) if key == "step" else placed_like(value, new)
+                key: value.to(new.device) if key == "step" else placed_like(value, fresh[key])
                 for key, value in saved.items()
             }
         else:
-            state[new] = initial_state(new, groups[g]["use_muon"])
+            state[new] = initial_state(new, groups[g])
     return Followed(now, names, meshes)
 
 
@@ -136,8 +137,9 @@ def _check_movable(name: str, old_dtype: torch.dtype, new_dtype: torch.dtype, me
 
 
 def placed_like(value: Tensor, param: Tensor) -> Tensor:
-    """``value`` (a state tensor shaped like ``param``: plain, or a DTensor on any mesh) laid out
-    and typed like ``param``, with the same values; the result owns its storage. A DTensor on
+    """``value`` (a state tensor shaped like ``param``, here a fresh state entry of the new
+    parameter: plain, or a DTensor on any mesh) laid out and typed like ``param``, with the same
+    values; the result owns its storage. A DTensor on
     ``param``'s mesh moves by DTensor's redistribute (Replicate -> Shard is a local slice, a
     change of shard dim an all-to-all); only one on another mesh is gathered whole. Both are
     collectives over the mesh, so every rank must replace the same parameters (frameworks do)."""

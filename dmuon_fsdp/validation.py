@@ -15,8 +15,9 @@ from torch.distributed.tensor import DTensor, Partial
 
 from dmuon_fsdp import comm, layouts
 from dmuon_fsdp.checks import NONFINITE_POLICIES
-from dmuon_fsdp.elementwise import STATE_KEYS
+from dmuon_fsdp.elementwise import state_keys
 from dmuon_fsdp.layouts import describe_params
+from dmuon_fsdp.neurons import STATE_KEY, VARIANTS, row_dims
 from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -184,6 +185,12 @@ def check_muon_group(group: dict[str, Any]) -> None:
         raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
     if not isinstance(group["flatten"], bool):
         raise ValueError(f"flatten must be True or False, got {group['flatten']!r}")
+    if group["variant"] not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
+    if not 0.0 <= group["normuon_beta2"] < 1.0:
+        raise ValueError(f"normuon_beta2 must be in [0, 1), got {group['normuon_beta2']!r}")
+    if not (math.isfinite(group["normuon_eps"]) and group["normuon_eps"] > 0.0):
+        raise ValueError(f"normuon_eps must be a finite number > 0, got {group['normuon_eps']!r}")
 
 
 def check_adamw_group(group: dict[str, Any]) -> None:
@@ -193,17 +200,17 @@ def check_adamw_group(group: dict[str, Any]) -> None:
         raise ValueError(f"AdamW betas must be two numbers in [0, 1), got {betas}")
 
 
-def check_saved_state(name: str, param: Tensor, use_muon: bool, saved: dict[str, Any]) -> None:
+def check_saved_state(name: str, param: Tensor, group: dict[str, Any], saved: dict[str, Any]) -> None:
     """``saved`` (from a state dict) must hold the state keys of the parameter's kind, each
-    shaped like the parameter (``step`` aside), or nothing (the parameter then starts afresh)."""
-    expected = set(STATE_KEYS[use_muon])
+    shaped like the parameter (NorMuon's second moments like its rows, ``step`` aside), or
+    nothing (the parameter then starts afresh)."""
+    expected = set(state_keys(group))
     if saved and set(saved) != expected:
         raise ValueError(f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}")
     for key, value in saved.items():
-        if key != "step" and tuple(value.shape) != tuple(param.shape):
-            raise ValueError(
-                f"{name}: saved {key} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
-            )
+        shape = tuple(param.shape[: row_dims(param, group["flatten"])] if key == STATE_KEY else param.shape)
+        if key != "step" and tuple(value.shape) != shape:
+            raise ValueError(f"{name}: saved {key} has shape {tuple(value.shape)}, expected {shape}")
 
 
 def check_state_dict(state_dict: dict[str, Any], groups: list[dict[str, Any]], names: dict) -> None:
@@ -220,8 +227,15 @@ def check_state_dict(state_dict: dict[str, Any], groups: list[dict[str, Any]], n
                 f"param group {index}: state dict has {theirs} parameters (use_muon="
                 f"{saved.get('use_muon')}), this optimizer {ours} (use_muon={group['use_muon']})"
             )
+        variant = saved.get("variant", "muon")
+        if group["use_muon"] and variant != group["variant"]:
+            raise ValueError(
+                f"param group {index}: the state dict was saved with variant={variant!r}, this optimizer's "
+                f"group has variant={group['variant']!r}: build the optimizer with the variant the run was "
+                "saved with (a state dict resumes its run as it was)"
+            )
         for key, p in zip(saved["params"], group["params"]):
-            check_saved_state(names[p], p, group["use_muon"], saved_state.get(key, {}))
+            check_saved_state(names[p], p, group, saved_state.get(key, {}))
 
 
 def check_new_groups(
@@ -229,16 +243,21 @@ def check_new_groups(
     names: dict[Tensor, str],
     defaults: dict[str, Any],
     meshes: dict[Any, str],
+    first_index: int = 0,
 ) -> dict[Any, str]:
-    """Validate hyper-parameters and layouts of groups about to be added to the optimizer.
+    """Validate hyper-parameters and layouts of groups about to be added to the optimizer (as
+    param groups ``first_index`` on: a bad option's error names its group).
 
     ``meshes`` maps each mesh the Muon parameters seen so far live on (None: plain tensors) to
     the name of one parameter on it; returns it updated (see ``exchange_ranks``).
     """
     meshes = dict(meshes)
-    for new in new_groups:
+    for index, new in enumerate(new_groups, start=first_index):
         merged = {**defaults, **new}
-        (check_muon_group if new["use_muon"] else check_adamw_group)(merged)
+        try:
+            (check_muon_group if new["use_muon"] else check_adamw_group)(merged)
+        except ValueError as e:
+            raise ValueError(f"param group {index}: {e}") from None
         for item in new["params"]:
             p = item[1] if isinstance(item, tuple) else item
             name = names[p]

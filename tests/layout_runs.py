@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from instruments import CollectiveCalls
 from reference import reference_muon_step, relative_error
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import DMuonFSDP
@@ -15,25 +16,62 @@ from dmuon_fsdp import DMuonFSDP
 # standard one, so every layout of test_meshes runs both forms; the reference is standard
 # Newton-Schulz.
 OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm="auto")
-REFERENCE = dict(lr=0.05, weight_decay=0.1)
 STEPS = 3
 TOLERANCE = 1e-5
+REFERENCE_OPTIONS = ("lr", "weight_decay", "adjust_lr_fn", "normuon_beta2", "normuon_eps")  # from each group
+
+# (5, 16) leaves an empty shard at 4 ranks; (13, 9) and (9, 13) split unevenly on both mesh dims.
+SHAPES = {"w5": (5, 16), "w13": (13, 9), "w9": (9, 13), "conv": (6, 3, 3, 3), "tall": (40, 8)}
+
+
+class Weights(nn.Module):
+    """One parameter per shape; the loss sum(w * g) makes each gradient g (averaged over ranks)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.ws = nn.ParameterDict(
+            {n: nn.Parameter(torch.randn(s, generator=gen) * 0.1) for n, s in shapes.items()}
+        )
+
+    def forward(self, step):
+        gen = torch.Generator().manual_seed(100 + step)
+        # A replicated DTensor's local tensor is the whole weight; FSDP2 unshards to plain tensors.
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in self.ws.values()]
+        return sum((w * torch.randn(w.shape, generator=gen)).sum() for w in local)
 
 
 def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def train(model, groups, loss_fn, stacked=(), steps=STEPS):
-    """``steps`` steps of DMuonFSDP and of the reference on the same full gradients (Muon
-    parameters only); counts what each step did. ``stacked``: parameters whose dim 0 indexes
-    matrices (expert stacks). A parameter without a gradient in a step is left alone by both.
-    Full tensors are read outside ``step`` only, for the comparison."""
-    opt = DMuonFSDP(groups, **OPTIONS)
-    muon = {p for group in opt.param_groups if group["use_muon"] for p in group["params"]}
+def matrices(tensor, group):
+    """The Muon matrices of a full parameter (views), as ``group`` orthogonalizes them: each of a
+    stack's (``flatten=False``), each ``split_sizes`` or ``num_heads`` row block on its own."""
+    stacks = list(tensor) if not group["flatten"] and tensor.ndim > 2 else [tensor]
+    out = []
+    for m in stacks:
+        sizes = group["split_sizes"] or [m.shape[0] // (group["num_heads"] or 1)] * (group["num_heads"] or 1)
+        out += list(m.split(sizes))
+    return out
+
+
+def train(model, groups, loss_fn, steps=STEPS, **options):
+    """``steps`` steps of DMuonFSDP (``OPTIONS`` and ``options``) and of the reference on the
+    same full gradients (Muon parameters only, each matrix as its group says; NorMuon's second
+    moments kept per matrix for its groups); counts what each step did. A parameter without a
+    gradient in a step is left alone by both. Full tensors are read outside ``step`` only, for
+    the comparison."""
+    opt = DMuonFSDP(groups, **{**OPTIONS, **options})
+    muon = {p: group for group in opt.param_groups if group["use_muon"] for p in group["params"]}
     params = {n: p for n, p in model.named_parameters() if p in muon}
     ref = {n: full(p).detach().double().clone() for n, p in params.items()}
     bufs = {n: torch.zeros_like(p) for n, p in ref.items()}
+    moments = {
+        n: [torch.zeros(m.shape[0], dtype=torch.float64) for m in matrices(ref[n], muon[p])]
+        for n, p in params.items()
+        if muon[p]["variant"] == "normuon"
+    }
     counts = {"ns_matrices": 0, "a2a": 0, "gathers": 0, "sent": 0, "planned": 0, "matrices": 0, "owned": 0}
     for step in range(steps):
         loss_fn(step).backward()
@@ -50,9 +88,14 @@ def train(model, groups, loss_fn, stacked=(), steps=STEPS):
         counts["matrices"] += len(plan.matrices)
         counts["owned"] += sum(1 for o in plan.owners if o == opt.exchange_rank)
         for n in grads:
-            matrices = zip(ref[n], grads[n], bufs[n]) if n in stacked else [(ref[n], grads[n], bufs[n])]
-            for p, g, b in matrices:
-                reference_muon_step(p, g, b, **REFERENCE)
+            group = muon[params[n]]
+            views = zip(*(matrices(t, group) for t in (ref[n], grads[n], bufs[n])))
+            options = {
+                k: group[k] for k in ("lr", "weight_decay", "adjust_lr_fn", "normuon_beta2", "normuon_eps")
+            }
+            for b, (p, g, buf) in enumerate(views):
+                second_moment = moments[n][b] if n in moments else None
+                reference_muon_step(p, g, buf, **options, second_moment=second_moment)
     errors = {n: relative_error(full(p).detach(), ref[n]) for n, p in params.items()}
     return errors, counts
 

@@ -37,12 +37,23 @@ def reference_muon_step(
     steps=5,
     eps=1e-7,
     adjust_lr_fn=None,
+    second_moment=None,
+    normuon_beta2=0.95,
+    normuon_eps=1e-8,
 ):
     """One Muon step on float64 full tensors, in place on ``param`` and ``buf`` (the defaults are
-    torch.optim.Muon's, weight decay aside)."""
+    torch.optim.Muon's, weight decay aside). With ``second_moment`` (one number per row of the
+    matrix, updated in place), NorMuon's step: each row of the orthogonalized matrix O divided
+    by sqrt(v) + eps, the result rescaled to O's Frobenius norm."""
     buf.mul_(momentum).add_(grad, alpha=1 - momentum)
     update = grad + momentum * (buf - grad) if nesterov else buf
     ortho = reference_orthogonalize(update, coefficients, steps, eps)
+    if second_moment is not None:
+        v = second_moment.view(-1)
+        v.mul_(normuon_beta2).add_(ortho.square().mean(dim=1), alpha=1 - normuon_beta2)
+        normalized = ortho / (v.sqrt() + normuon_eps)[:, None]
+        size = normalized.norm().item()
+        ortho = normalized * (ortho.norm().item() / size) if size > 0 else normalized
     rows, cols = ortho.shape
     if adjust_lr_fn == "match_rms_adamw":
         scale = 0.2 * math.sqrt(max(rows, cols))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from layout_runs import STEPS, check, train
+from layout_runs import SHAPES, STEPS, Weights, check, train
 from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -17,26 +17,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
-
-# (5, 16) leaves an empty shard at 4 ranks; (13, 9) and (9, 13) split unevenly on both mesh dims.
-SHAPES = {"w5": (5, 16), "w13": (13, 9), "w9": (9, 13), "conv": (6, 3, 3, 3), "tall": (40, 8)}
-
-
-class Weights(nn.Module):
-    """One parameter per shape; the loss sum(w * g) makes each gradient g (averaged over ranks)."""
-
-    def __init__(self, shapes):
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        self.ws = nn.ParameterDict(
-            {n: nn.Parameter(torch.randn(s, generator=gen) * 0.1) for n, s in shapes.items()}
-        )
-
-    def forward(self, step):
-        gen = torch.Generator().manual_seed(100 + step)
-        # A replicated DTensor's local tensor is the whole weight; FSDP2 unshards to plain tensors.
-        local = [w.to_local() if isinstance(w, DTensor) else w for w in self.ws.values()]
-        return sum((w * torch.randn(w.shape, generator=gen)).sum() for w in local)
 
 
 def hsdp(rank, world_size):
@@ -151,7 +131,7 @@ def experts(rank, world_size, dim):
         {"params": [("experts", model.ws["experts"])], "flatten": False},
         {"params": [("w13", model.ws["w13"])]},
     ]
-    return train(model, groups, model, stacked=("ws.experts",))
+    return train(model, groups, model)
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2])

@@ -10,6 +10,7 @@ import argparse
 import math
 from pathlib import Path
 
+from dmuon_fsdp.neurons import VARIANTS
 from dmuon_fsdp.newton_schulz import NS_ALGORITHMS
 from recipes.model import PRESETS
 
@@ -90,6 +91,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         choices=NS_ALGORITHMS,
         help="DMuonFSDP's Newton-Schulz form: standard, gram, or auto (Gram where it needs fewer "
         "flops: the MLP matrices) (default: standard)",
+    )
+    opt.add_argument(
+        "--variant",
+        default=None,
+        choices=VARIANTS,
+        help="DMuonFSDP's update: muon, or normuon (each row of the orthogonalized update normalized by "
+        "its running second moment, NorMuon) (default: muon)",
     )
     opt.add_argument(
         "--overlap-backward",
@@ -250,6 +258,7 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError("pass at most one of --data and --text")
     for flag, given in (
         ("--ns-algorithm", args.ns_algorithm is not None),
+        ("--variant", args.variant is not None),
         ("--overlap-backward", args.overlap_backward),
         ("--bucket-mib", args.bucket_mib is not None),
     ):

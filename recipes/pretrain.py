@@ -131,6 +131,7 @@ def build_optimizers(args: argparse.Namespace, model: torch.nn.Module) -> list[t
                 adamw_lr=args.adamw_lr,
                 adamw_weight_decay=wd,
                 ns_algorithm=args.ns_algorithm or "standard",
+                variant=args.variant or "muon",
                 overlap_backward=args.overlap_backward,
                 **buckets,
             )

@@ -208,3 +208,21 @@ def test_checkpoint_reshards_from_4_to_2_ranks(tmp_path):
     resumed = run_ranks(load_then_continue, 2, str(tmp_path))[0]
     errors = {k: relative_error(resumed[k], original[k]) for k in original}
     assert max(errors.values()) <= 1e-6, errors
+
+
+def test_a_variant_changed_between_steps_keeps_the_momentum():
+    def run(switch):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(6, 4))
+        opt = DMuonFSDP([("w", w)])
+        for step in range(3):
+            if step == 1 and switch:
+                opt.param_groups[0]["variant"] = "normuon"
+            w.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        return opt.state[w]
+
+    muon, switched = run(False), run(True)
+    assert torch.equal(muon["momentum_buffer"], switched["momentum_buffer"])  # the same gradients
+    assert "neuron_second_moment" not in muon and switched["neuron_second_moment"].shape == (6,)
+    assert switched["neuron_second_moment"].min() > 0  # made at the switch, updated since

@@ -186,7 +186,13 @@ def _continued_losses(history):
 
 
 @pytest.mark.parametrize(
-    "optimizer,layout", [("dmuon", ["--ns-algorithm", "auto"]), ("adamw", []), ("dmuon", ["--replicas", "2"])]
+    "optimizer,layout",
+    [
+        ("dmuon", ["--ns-algorithm", "auto"]),
+        ("adamw", []),
+        ("dmuon", ["--replicas", "2"]),
+        ("dmuon", ["--variant", "normuon"]),
+    ],
 )
 def test_resume_continues_exactly(tmp_path, cache, optimizer, layout):
     full = run_ranks(

@@ -116,6 +116,11 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
             {},
             "--ns-algorithm applies to --optimizer dmuon only (got --optimizer adamw)",
         ),
+        "NorMuon for AdamW": (
+            ["--optimizer", "adamw", "--variant", "normuon"],
+            {},
+            "--variant applies to --optimizer dmuon only (got --optimizer adamw)",
+        ),
         "overlap for torch's Muon": (
             ["--optimizer", "torch-muon", "--overlap-backward"],
             {},

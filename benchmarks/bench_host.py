@@ -5,8 +5,8 @@ two norms, plus embedding, head and final norm: 111 parameters) at tiny dims (``
 width 16, GQA with 2 query and 1 key/value heads, MLP width 32), so that Newton-Schulz costs next
 to nothing and the step is host work (Python, dispatch, launches).
 DMuonFSDP (``param_groups`` routing, default settings; also with ``check_grads=False,
-nonfinite="ignore"``) is compared with fused ``torch.optim.AdamW`` on the same parameters, in one
-run, for:
+nonfinite="ignore"``, and with ``variant="normuon"``) is compared with fused ``torch.optim.AdamW``
+on the same parameters, in one run, for:
 
 - W=1: one process, no process group;
 - W=2: FSDP2 over gloo, two spawned CPU ranks (the figures are rank 0's);
@@ -58,6 +58,7 @@ DIMS = dict(dim=16, n_heads=2, n_kv_heads=1, ffn_dim=32)
 CONTENDERS = {
     "dmuon": lambda model: DMuonFSDP(param_groups(model)),
     "dmuon-nochecks": lambda model: DMuonFSDP(param_groups(model), check_grads=False, nonfinite="ignore"),
+    "dmuon-normuon": lambda model: DMuonFSDP(param_groups(model), variant="normuon"),
     "adamw-fused": lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
 }
 

@@ -1,14 +1,16 @@
 """Optimizer step cost of DMuonFSDP against AdamW, gather-all Muon and torch.optim.Muon on FSDP2.
 
 Every contender steps the same FSDP2-sharded recipe model with the same gradients, at one world
-size, in one run (spawned CPU ranks with gloo here, one GPU per rank with NCCL when CUDA is
-present). Reported per contender, after warm-up: median and spread of the slowest rank's step
-time and the total CPU time of all ranks; for DMuonFSDP also a phase breakdown, NS flops per rank
-(max/mean = load imbalance), bytes per rank against the plan's bound, and the matmul floor: the
-time plain ``torch.bmm`` takes for this rank's NS products, measured in the same run, giving
+size, in one run, the contenders taking turns step by step (spawned CPU ranks with gloo here,
+one GPU per rank with NCCL when CUDA is present). Reported per contender, after warm-up: median
+and spread of the slowest rank's step time and the total CPU time of all ranks; for DMuonFSDP
+also a phase breakdown, NS flops per rank (max/mean = load imbalance), bytes per rank against the
+plan's bound, and the matmul floor: the time plain ``torch.bmm`` takes for this rank's NS
+products, measured in the same run, giving
 NS efficiency = floor / measured NS time. ``dmuon-qk-clip`` is DMuonFSDP followed by QK-clip on
 every attention layer with every head over tau: the clip's cost after the step (not the forward's
-logit tracking, which is the training loop's).
+logit tracking, which is the training loop's). ``dmuon-normuon`` is DMuonFSDP with
+``variant="normuon"``.
 
     python -m benchmarks.bench_optimizer --world-size 2
     python -m benchmarks.bench_optimizer --world-size 4 --contenders adamw dmuon gather-muon
@@ -45,6 +47,7 @@ CONTENDERS = [
     "dmuon",
     "dmuon-no-overlap",
     "dmuon-qk-clip",
+    "dmuon-normuon",
 ]
 
 
@@ -74,6 +77,8 @@ def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) ->
     groups = param_groups(model)
     if name in ("dmuon", "dmuon-no-overlap"):
         return [DMuonFSDP(groups, ns_dtype=ns_dtype, overlap=name == "dmuon")]
+    if name == "dmuon-normuon":
+        return [DMuonFSDP(groups, ns_dtype=ns_dtype, variant="normuon")]
     if name == "dmuon-qk-clip":
         return [ClippedStep(model, ns_dtype)]
     muon, adamw = ([p for _, p in g["params"]] for g in groups)
@@ -90,30 +95,43 @@ def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) ->
 # called without an active exception"), as torch.distributed's plain calls could at the end of a run.
 
 
-def timed_steps(optimizers: list, steps: int, warmup: int, device: torch.device) -> dict:
-    wall, cpu = [], []
-    for i in range(warmup + steps):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        for opt in optimizers:
-            opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        sample = torch.tensor(
-            [time.perf_counter() - start, time.process_time() - start_cpu], dtype=torch.float64, device=device
-        )  # NCCL reduces device tensors only
-        table = comm.all_rows(sample, dist.group.WORLD)  # every rank's (wall, cpu); see below
-        if i >= warmup:
-            wall.append(table[:, 0].max().item())
-            cpu.append(table[:, 1].sum().item())
+def timed_steps(
+    contenders: dict[str, list], steps: dict[str, int], warmup: int, device: torch.device
+) -> dict:
+    """Each contender's ``warmup + steps[name]`` steps, interleaved (a step of each in turn, so
+    that all see the same load on a shared machine); the timings of those after warm-up."""
+    wall: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu: dict[str, list[float]] = {name: [] for name in contenders}
+    for i in range(warmup + max(steps.values())):
+        for name, optimizers in contenders.items():
+            if i >= warmup + steps[name]:
+                continue
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for opt in optimizers:
+                opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            sample = torch.tensor(
+                [time.perf_counter() - start, time.process_time() - start_cpu],
+                dtype=torch.float64,
+                device=device,
+            )  # NCCL reduces device tensors only
+            table = comm.all_rows(sample, dist.group.WORLD)  # every rank's (wall, cpu); see below
+            if i >= warmup:
+                wall[name].append(table[:, 0].max().item())
+                cpu[name].append(table[:, 1].sum().item())
     return {
-        "median_s": statistics.median(wall),
-        "min_s": min(wall),
-        "max_s": max(wall),
-        "cpu_total_s": statistics.median(cpu),
-        "steps": steps,
+        name: {
+            "median_s": statistics.median(wall[name]),
+            "min_s": min(wall[name]),
+            "max_s": max(wall[name]),
+            "cpu_total_s": statistics.median(cpu[name]),
+            "steps": steps[name],
+        }
+        for name in contenders
     }
 
 
@@ -167,15 +185,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     device, model = sharded_model(rank, world, port, args.preset, args.cpu, args.threads)
     cuda = device.type == "cuda"
     ns_dtype = default_ns_dtype(device) if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype)
-    results: dict = {"contenders": {}}
-    for name in args.contenders:
-        torch.manual_seed(1)
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        steps = args.slow_steps if name == "torch-muon" and not cuda else args.steps
-        results["contenders"][name] = timed_steps(
-            make_optimizers(name, model, ns_dtype), steps, args.warmup, device
-        )
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    contenders = {name: make_optimizers(name, model, ns_dtype) for name in args.contenders}
+    steps = {
+        name: args.slow_steps if name == "torch-muon" and not cuda else args.steps for name in contenders
+    }
+    results: dict = {"contenders": timed_steps(contenders, steps, args.warmup, device)}
     if "dmuon" in args.contenders:
         results["dmuon_breakdown"] = dmuon_breakdown(model, ns_dtype, args.steps, device, world)
     if rank == 0:

@@ -96,11 +96,9 @@ class NeuronNorm:
         torch._foreach_sqrt_(f)
         torch._foreach_add_(f, self.eps)
         torch._foreach_reciprocal_(f)  # 1 / (sqrt(v) + eps)
-        # ||O||_F is the norm of the rows' norms; ||O_hat||_F that of the scaled rows' norms
-        kept, normalized = (
-            torch._foreach_norm(self.rows),
-            torch._foreach_norm(torch._foreach_mul(self.rows, f)),
-        )
+        # ||O||_F is the norm of the rows' norms, ||O_hat||_F that of the scaled ones (one op)
+        norms = torch._foreach_norm([*self.rows, *torch._foreach_mul(self.rows, f)])
+        kept, normalized = norms[: len(f)], norms[len(f) :]
         torch._foreach_clamp_min_(normalized, _TINY)
         torch._foreach_div_(kept, normalized)
         torch._foreach_mul_(f, kept)

@@ -51,6 +51,7 @@ def test_bench_optimizer_reports_every_contender_and_plan_bytes(tmp_path):
         "dmuon",
         "dmuon-no-overlap",
         "dmuon-qk-clip",
+        "dmuon-normuon",
     }
     for rank in result["dmuon_breakdown"]["ranks"]:
         assert rank["bytes_sent"] == rank["bytes_received"] == rank["bytes_bound"] > 0

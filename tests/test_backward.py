@@ -34,8 +34,8 @@ import dmuon_fsdp
 from dmuon_fsdp import DMuonFSDP, param_groups
 
 
-def fsdp_equal(rank, world_size, ns_algorithm):
-    runs = pair(sharded, ns_algorithm=ns_algorithm, ns_dtype=torch.float32)
+def fsdp_equal(rank, world_size, ns_algorithm, variant="muon"):
+    runs = pair(sharded, ns_algorithm=ns_algorithm, ns_dtype=torch.float32, variant=variant)
     history = train(runs, plain_step)
     return compare(runs), history, len(runs[1][1].plan.buckets)
 
@@ -54,6 +54,12 @@ def test_steps_begun_in_backward_equal_plain_steps(world_size):
 
 def test_gram_form_begun_in_backward_equals_plain():
     for differing, history, _ in run_ranks(fsdp_equal, 3, "gram"):
+        assert differing == [] and history[-1][1] > 0
+
+
+def test_normuon_begun_in_backward_equals_plain():
+    # NorMuon's second moments: sent from the hooks' stages, written at apply after the verdict
+    for differing, history, _ in run_ranks(fsdp_equal, 3, "standard", "normuon"):
         assert differing == [] and history[-1][1] > 0
 
 

@@ -52,21 +52,27 @@ def test_replicated_parameters_split_ns_across_ranks(world_size, replicate_dtens
         assert counts["sent"] > 0
 
 
-def ddp_lower_precision_wire(rank, world_size):
+def ddp_lower_precision_wire(rank, world_size, variant):
     model = Weights(SHAPES)
     loss = DistributedDataParallel(model)
-    opt = DMuonFSDP(model.parameters(), lr=0.05, ns_dtype=torch.float32, comm_dtype=torch.bfloat16)
+    opt = DMuonFSDP(
+        model.parameters(), lr=0.05, ns_dtype=torch.float32, comm_dtype=torch.bfloat16, variant=variant
+    )
     for step in range(STEPS):
         loss(step).backward()
         opt.step()
         opt.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return {n: p.detach() for n, p in model.named_parameters()} | {
+        f"state {n} {k}": v for n, p in model.named_parameters() for k, v in opt.state[p].items()
+    }
 
 
-def test_replicas_stay_equal_with_a_lower_precision_wire():
-    # bf16 on the wire, fp32 NS: an owner's own copy of a result is rounded through bf16 like
-    # the copy it sends, so DDP replicas stay bitwise equal.
-    first, second = run_ranks(ddp_lower_precision_wire, 2)
+@pytest.mark.parametrize("variant", ["muon", "normuon"])
+def test_replicas_stay_equal_with_a_lower_precision_wire(variant):
+    # bf16 on the wire, fp32 NS: an owner's own copy of a result (and of NorMuon's row
+    # statistics) is rounded through bf16 like the copy it sends, so DDP replicas stay bitwise
+    # equal, state included.
+    first, second = run_ranks(ddp_lower_precision_wire, 2, variant)
     for name, value in first.items():
         assert torch.equal(value, second[name]), name
 

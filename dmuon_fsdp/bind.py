@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from torch import Tensor
 from dmuon_fsdp import checks, comm, elementwise
 from dmuon_fsdp.checks import Flags, StepKey
 from dmuon_fsdp.layouts import local_shard
-from dmuon_fsdp.neurons import STATE_KEY, NeuronNorm, RowNorms
+from dmuon_fsdp.neurons import STATE_KEY, NeuronNorm, bind_neurons
 from dmuon_fsdp.newton_schulz import Workspace
 from dmuon_fsdp.parts import (
     AdamWLists,
@@ -39,7 +39,7 @@ from dmuon_fsdp.parts import (
 from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.program import StepProgram
 from dmuon_fsdp.schedule import BucketSchedule, RankSchedule, Transfer
-from dmuon_fsdp.wires import Slot, in_shape, nbytes, piece_of, rows_of, staging, wired
+from dmuon_fsdp.wires import Slot, as_wire, in_shape, nbytes, piece_of, rows_of, staging, wired
 
 
 @dataclass(frozen=True)
@@ -196,38 +196,14 @@ class _Binder:
             for b, j in enumerate(members):
                 matrix_views[j] = stack[b].mT if self.tall(j) else stack[b]
             if form.neurons is not None:
-                normed.append((stack, members, form.neurons))
-        return tuple(batches), matrix_views, self.neurons(normed)
-
-    def neurons(self, normed: list[tuple[Tensor, list[int], tuple[float, float]]]) -> NeuronNorm | None:
-        """NorMuon on the batches ``normed`` (stack, members, (beta2, eps)): float32 buffers for
-        the owned matrices' rows' norms, second moments and factors; ``self.rows`` holds each
-        matrix's second moments and factors."""
-        self.rows = {}
-        total = sum(self.plan.matrices[j].rows for _, members, _ in normed for j in members)
-        if not total:
-            return None
-        flats = [torch.zeros(total, dtype=torch.float32, device=self.settings.device) for _ in range(3)]
-        self.allocated += nbytes(*flats)
-        norms, lists, offset = [], defaultdict(list), 0
-        for stack, members, (beta2, eps) in normed:
-            wide = sum(not self.tall(j) for j in members)
-            start = offset
-            for part, dim in ((stack[:wide], -1), (stack[wide:], -2)):  # norms over columns
-                if part.shape[0]:
-                    size = part.shape[0] * part.shape[-3 - dim]  # matrices x rows (the other dim)
-                    norms.append(RowNorms(part, dim, flats[0][start : start + size].view(part.shape[0], -1)))
-                    start += size
-            for j in members:
-                m = self.plan.matrices[j]
-                for name, flat in zip(("rows", "v", "factors"), flats):
-                    lists[name].append(flat[offset : offset + m.rows])
-                lists["betas"].append(beta2)
-                lists["weights"].append((1.0 - beta2) / m.cols)
-                lists["eps"].append(eps)
-                self.rows[j] = lists["v"][-1], lists["factors"][-1]
-                offset += m.rows
-        return NeuronNorm(tuple(norms), **lists)
+                shapes = [(self.plan.matrices[j].rows, self.plan.matrices[j].cols) for j in members]
+                normed.append((stack, dict(zip(members, shapes)), form.neurons))
+        bound = bind_neurons(normed, self.settings.ns_dtype, self.settings.device)
+        if bound is None:
+            self.rows = {}
+            return tuple(batches), matrix_views, None
+        self.rows, self.allocated = bound.rows, self.allocated + bound.nbytes
+        return tuple(batches), matrix_views, bound.norm
 
     def second_moments(self, t: Transfer) -> Tensor:
         """This rank's state of ``t``'s rows (NorMuon's second moments)."""
@@ -235,7 +211,8 @@ class _Binder:
         return rows_of(local_shard(self.state[param][STATE_KEY]), t.piece)
 
     def bucket(self, k: int, bucket: BucketSchedule) -> BucketProgram:
-        """Bucket ``k``'s exchanges, stacks, copies and updates."""
+        """Bucket ``k``'s exchanges, stacks, copies and updates. NorMuon's row statistics are
+        float32 everywhere but on the wire, which carries their bits (``wires.as_wire``)."""
         batches, matrix, neurons = self.batches(bucket.owned)
         fed = len(self.feeds)
         group = wire_group(self.settings).group
@@ -251,16 +228,10 @@ class _Binder:
             return v[t.piece.row : t.piece.row + t.piece.rows], f[t.piece.row : t.piece.row + t.piece.rows]
 
         def staged(transfers: Sequence[Transfer]) -> list[Slot]:
+            """Own pieces through the wire's dtype (their statistics need no staging)."""
+            transfers = [replace(t, stats=0) for t in transfers]
             self.allocated += sum(t.numel for t in transfers) * comm_dtype.itemsize
             return staging(transfers, comm_dtype, device)
-
-        def collected(slot: Slot) -> None:
-            """The owner's result of ``slot``'s piece (and its rows' statistics) into the slot."""
-            collect.add(slot.piece, region(slot.transfer))
-            if slot.stats is not None:
-                v, f = owner_rows(slot.transfer)
-                collect.add(slot.second_moments, v)
-                collect.add(slot.factors.view(-1), f)
 
         to_owners = wired(bucket.to_owners, comm_dtype, device, group)
         from_owners = wired(bucket.from_owners, comm_dtype, device, group)
@@ -273,12 +244,12 @@ class _Binder:
         for slot in to_owners.received:
             assemble.add(region(slot.transfer), slot.piece)
             if slot.stats is not None:
-                assemble.add(owner_rows(slot.transfer)[0], slot.stats)
+                assemble.add(as_wire(owner_rows(slot.transfer)[0], comm_dtype), slot.stats)
         own = list(bucket.own_pieces)
         if self.staged:
-            for slot in staged(own):
-                self.feeds.append((slot.piece, slot.transfer, k))
-                assemble.add(region(slot.transfer), slot.piece)
+            for t, slot in zip(own, staged(own)):
+                self.feeds.append((slot.piece, t, k))
+                assemble.add(region(t), slot.piece)
         else:
             self.feeds += [(region(t), t, k) for t in own]
         for t in own:
@@ -289,25 +260,38 @@ class _Binder:
 
         collect = Copies([], [])
         for slot in from_owners.sent:
-            collected(slot)
-
-        def result(slot: Slot) -> tuple:
-            """(transfer, its result, [its rows' new second moments and factors]) of a slot."""
-            return (
-                slot.transfer,
-                slot.piece,
-                *((slot.second_moments, slot.factors) if slot.stats is not None else ()),
-            )
-
-        returned = [result(slot) for slot in from_owners.received]
-        if self.staged:  # through the wire's dtype, so that replicas round alike
-            for slot in staged(bucket.own_results):
-                collected(slot)
-                returned.append(result(slot))
+            collect.add(slot.piece, region(slot.transfer))
+            if slot.stats is not None:
+                v, f = owner_rows(slot.transfer)
+                collect.add(slot.second_moments, as_wire(v, comm_dtype))
+                collect.add(slot.factors, as_wire(f, comm_dtype))
+        writes = Copies([], [])  # the rows' new second moments into the state, their factors out
+        rows = sum(slot.transfer.piece.rows for slot in from_owners.received if slot.stats is not None)
+        factors = torch.empty(rows, dtype=torch.float32, device=device)
+        self.allocated += nbytes(factors)
+        returned, offset = [], 0  # (transfer, its result, its rows' new second moments, factors)
+        for slot in from_owners.received:
+            t, stats = slot.transfer, ()
+            if slot.stats is not None:
+                stats = self.second_moments(t), factors[offset : offset + t.piece.rows]
+                writes.add(as_wire(stats[0], comm_dtype), slot.second_moments)
+                writes.add(as_wire(stats[1], comm_dtype), slot.factors)
+                offset += t.piece.rows
+            returned.append((t, slot.piece, *stats))
+        if self.staged:  # through the wire's dtype, so that replicas round results alike
+            own = list(zip(bucket.own_results, (slot.piece for slot in staged(bucket.own_results))))
+            for t, piece in own:
+                collect.add(piece, region(t))
         else:
-            returned += [(t, region(t), *(owner_rows(t) if t.stats else ())) for t in bucket.own_results]
+            own = [(t, region(t)) for t in bucket.own_results]
+        for t, direction in own:
+            stats = ()
+            if t.stats:
+                v, f = owner_rows(t)
+                stats = self.second_moments(t), f
+                writes.add(stats[0], v)
+            returned.append((t, direction, *stats))
         mine: dict[tuple[int, float], Updates] = {}
-        writes = Copies([], [])
         for t, direction, *stats in returned:
             cls = self.update_class(t.matrix)
             for table in (mine, self.merged):
@@ -316,9 +300,8 @@ class _Binder:
                 u.directions.append(direction)
                 if stats:
                     u.factors.append(stats[1].view(-1, 1))
-            if stats:
-                for copies in (writes, self.writes):
-                    copies.add(self.second_moments(t), stats[0])
+        self.writes.dst.extend(writes.dst)
+        self.writes.src.extend(writes.src)
         return BucketProgram(
             reads,
             needs,
@@ -345,7 +328,7 @@ class _Binder:
         count = len(self.schedule.buckets) if self.settings.in_backward else 1
         stages = [([], Copies([], [])) for _ in range(count)]
         for view, t, _ in self.stat_feeds:  # the rows' second moments go with the first inputs
-            stages[first[self.entry_of(t.matrix)]][1].add(view, self.second_moments(t))
+            stages[first[self.entry_of(t.matrix)]][1].add(view, as_wire(self.second_moments(t), view.dtype))
         lists = []
         for group, members in self._by_group(muon=True).items():
             buffer = {i: local_shard(state[self.entries[i].param]["momentum_buffer"]) for i in members}

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from dmuon_fsdp import checks, comm, elementwise, errors
+from dmuon_fsdp import checks, comm, elementwise, errors, validation
 from dmuon_fsdp.bind import Settings, bind, indexed, wire_group
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
@@ -26,7 +26,7 @@ from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments
 from dmuon_fsdp.parts import NSForm
 from dmuon_fsdp.planner import Plan, build_plan
 from dmuon_fsdp.program import StepProgram
-from dmuon_fsdp.schedule import RankSchedule, rank_schedule
+from dmuon_fsdp.schedule import RankSchedule, RowStats, rank_schedule
 
 
 @dataclass(frozen=True)
@@ -243,10 +243,13 @@ def plan_program(
         )
     if trouble:
         explain(groups, state, names, settings, shared)
+    # Options set in param_groups since construction, checked once every rank agreed on them
+    validation.check_groups(groups)
     # Made after the agreement: steps begun in backward have a group of their own.
     exchange = wire_group(settings)
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flags = FLAG_ELEMENTS if key.flags or settings.in_backward else 0
-    row_stats = [j for j, form in enumerate(forms) if form.neurons is not None]  # NorMuon's
+    normed = frozenset(j for j, form in enumerate(forms) if form.neurons is not None)
+    row_stats = RowStats(normed, width=2 if settings.comm_dtype.itemsize == 2 else 1)  # float32 bits
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, settings.in_backward, row_stats)
     return Planned(plan, tuple(forms), schedule)

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as torch_adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-from dmuon_fsdp.neurons import STATE_KEY, second_moment_like
+from dmuon_fsdp.neurons import STATE_KEY, row_dims, second_moment_like
 
 
 def state_keys(group: dict[str, Any]) -> tuple[str, ...]:
@@ -42,18 +42,19 @@ def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
     """Make afresh the state that was cleared or removed by hand (``opt.state.clear()``, ``del
     opt.state[p]``, a new ``opt.state``): a parameter missing a state entry of its kind starts as
     before its first step, as with torch's optimizers (whose state is lazy). A group whose
-    ``variant`` changed keeps its momentum: NorMuon's second moments start at zero, or go."""
+    ``variant`` or ``flatten`` changed keeps its momentum: NorMuon's second moments start at zero
+    in the new shape, or go."""
     for group in groups:
         keys = state_keys(group)
         for p in group["params"]:
             held = state.get(p, {})
             missing = [key for key in keys if key not in held]
-            if missing == [STATE_KEY]:
-                held[STATE_KEY] = second_moment_like(p, group["flatten"])
-            elif missing:
+            if missing and missing != [STATE_KEY]:
                 state[p] = initial_state(p, group)
-            elif STATE_KEY in held and STATE_KEY not in keys:
-                del held[STATE_KEY]
+            elif STATE_KEY not in keys:
+                held.pop(STATE_KEY, None)
+            elif missing or held[STATE_KEY].shape != p.shape[: row_dims(p, group["flatten"])]:
+                held[STATE_KEY] = second_moment_like(p, group["flatten"])  # (``flatten`` changed)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 VARIANTS = ("muon", "normuon")
 STATE_KEY = "neuron_second_moment"
@@ -39,20 +39,23 @@ def row_dims(param: Tensor, flatten: bool) -> int:
 
 
 def second_moment_like(param: Tensor, flatten: bool) -> Tensor:
-    """Zeros with one number per matrix row of ``param``, placed like those rows: a DTensor
-    sharded as the parameter's leading dims and replicated on mesh dims that cut only its
-    columns (or replicate it), a plain tensor for a plain parameter."""
+    """Float32 zeros with one number per matrix row of ``param``, placed like those rows: a
+    DTensor sharded as the parameter's leading dims and replicated on mesh dims that cut only
+    its columns (or replicate it), a plain tensor for a plain parameter."""
     dims = row_dims(param, flatten)
     shape = tuple(param.shape[:dims])
     if not isinstance(param, DTensor):
-        return torch.zeros(shape, dtype=param.dtype, device=param.device)
-    placements = tuple(
-        pl if isinstance(pl, (Shard, _StridedShard)) and pl.dim % param.ndim < dims else Replicate()
-        for pl in param.placements
-    )
+        return torch.zeros(shape, dtype=torch.float32, device=param.device)
+
+    def on_rows(pl: Placement) -> Placement:
+        if isinstance(pl, _StridedShard) and pl.dim < dims:
+            return pl
+        return Shard(pl.dim % param.ndim) if type(pl) is Shard and pl.dim % param.ndim < dims else Replicate()
+
+    placements = tuple(on_rows(pl) for pl in param.placements)
     local, _ = compute_local_shape_and_global_offset(shape, param.device_mesh, placements)
     stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
-    zeros = torch.zeros(tuple(local), dtype=param.dtype, device=param.device)
+    zeros = torch.zeros(tuple(local), dtype=torch.float32, device=param.device)
     return DTensor.from_local(
         zeros, param.device_mesh, placements, run_check=False, shape=shape, stride=stride
     )
@@ -60,16 +63,16 @@ def second_moment_like(param: Tensor, flatten: bool) -> Tensor:
 
 @dataclass(frozen=True)
 class RowNorms:
-    """The rows' norms of some matrices of one stack, in float32: ``stack`` (a slice of a batch's
-    stack) along ``dim`` (-1 where the stack holds the matrices as they are, -2 where it holds
-    them transposed) into ``out``."""
+    """The rows' norms of some matrices of one stack, in ``out``'s dtype (float32, or float64
+    for a float64 stack): ``stack`` (a slice of a batch's stack) along ``dim`` (-1 where the stack
+    holds the matrices as they are, -2 where it holds them transposed) into ``out``."""
 
     stack: Tensor
     dim: int
     out: Tensor
 
     def run(self) -> None:
-        torch.linalg.vector_norm(self.stack, 2, dim=self.dim, dtype=torch.float32, out=self.out)
+        torch.linalg.vector_norm(self.stack, 2, dim=self.dim, dtype=self.out.dtype, out=self.out)
 
 
 @dataclass(frozen=True)
@@ -102,3 +105,51 @@ class NeuronNorm:
         torch._foreach_clamp_min_(normalized, _TINY)
         torch._foreach_div_(kept, normalized)
         torch._foreach_mul_(f, kept)
+
+
+@dataclass(frozen=True)
+class BoundNeurons:
+    """NorMuon bound to one bucket's owned matrices: its ``norm``, each matrix's second moments
+    and factors (``rows[j]``, float32 views), and the bytes of its buffers."""
+
+    norm: NeuronNorm
+    rows: dict[int, tuple[Tensor, Tensor]]
+    nbytes: int
+
+
+Normed = tuple[Tensor, dict[int, tuple[int, int]], tuple[float, float]]
+
+
+def bind_neurons(normed: list[Normed], ns_dtype: torch.dtype, device: torch.device) -> BoundNeurons | None:
+    """Buffers and views for NorMuon on the batches ``normed``: (stack, {matrix: (rows, cols)} in
+    stack order, wide ones first, (beta2, eps)); None when there are none. The rows' norms are
+    kept in float32 (float64 for a float64 stack), the second moments and factors in float32."""
+    total = sum(rows for _, shapes, _ in normed for rows, _ in shapes.values())
+    if not total:
+        return None
+    dtypes = (torch.promote_types(ns_dtype, torch.float32), torch.float32, torch.float32)
+    flats = [torch.zeros(total, dtype=dtype, device=device) for dtype in dtypes]
+    norms, lists, owned, offset = (
+        [],
+        {k: [] for k in ("rows", "v", "factors", "betas", "weights", "eps")},
+        {},
+        0,
+    )
+    for stack, shapes, (beta2, eps) in normed:
+        wide = sum(rows <= cols for rows, cols in shapes.values())
+        start = offset
+        for part, dim in ((stack[:wide], -1), (stack[wide:], -2)):  # norms over the columns
+            if part.shape[0]:
+                size = part.shape[0] * part.shape[-3 - dim]  # matrices x rows (the other dim)
+                norms.append(RowNorms(part, dim, flats[0][start : start + size].view(part.shape[0], -1)))
+                start += size
+        for j, (rows, cols) in shapes.items():
+            for name, flat in zip(("rows", "v", "factors"), flats):
+                lists[name].append(flat[offset : offset + rows])
+            lists["betas"].append(beta2)
+            lists["weights"].append((1.0 - beta2) / cols)
+            lists["eps"].append(eps)
+            owned[j] = lists["v"][-1], lists["factors"][-1]
+            offset += rows
+    nbytes = sum(t.numel() * t.element_size() for t in flats)
+    return BoundNeurons(NeuronNorm(tuple(norms), **lists), owned, nbytes)

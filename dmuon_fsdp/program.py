@@ -269,6 +269,6 @@ def apply_updates(
         for handle in returns:
             wait(handle)
     with stats.phase("apply"):
+        writes.run()  # NorMuon's new second moments into the state, the rows' factors out
         for u in updates:
             u.apply(groups)
-        writes.run()

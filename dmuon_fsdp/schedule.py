@@ -16,7 +16,7 @@ checked when they are built (``check``).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dmuon_fsdp.layouts import Piece
@@ -24,9 +24,27 @@ from dmuon_fsdp.planner import Bucket, Plan
 
 
 @dataclass(frozen=True)
+class RowStats:
+    """The matrices whose rows' statistics (NorMuon's, float32) travel with their pieces, each
+    number taking ``width`` wire elements: its bits, 2 on a 16-bit wire, so that they travel
+    exactly whatever the wire's dtype. To the owner, one number per row, with the pieces that
+    start the rows (one copy of each row's, however the rows' columns are cut); back, two (the
+    new second moment and the row's factor), with every piece."""
+
+    matrices: frozenset[int] = frozenset()
+    width: int = 1
+
+    def to_owner(self, j: int, piece: Piece) -> int:
+        return self.width if j in self.matrices and piece.col == 0 else 0
+
+    def back(self, j: int) -> int:
+        return 2 * self.width if j in self.matrices else 0
+
+
+@dataclass(frozen=True)
 class Transfer:
     """One piece on the move: the rectangle ``piece`` of matrix ``matrix``, followed by
-    ``stats`` numbers per row of it (row statistics: 0, 1 to the owner, 2 back)."""
+    ``stats`` wire elements per row of it (its rows' statistics, see ``RowStats``)."""
 
     matrix: int
     piece: Piece
@@ -76,12 +94,12 @@ class RankSchedule:
     process-group rank g. One bucket's exchange to owners carries the step's check flags when the job
     has more than one rank: the first, or the last for a step started in backward (see
     ``dmuon_fsdp.backward``); a plan without matrices gets one empty bucket for them.
-    ``row_stats``: the matrices whose rows' statistics travel with their pieces."""
+    ``row_stats``: what of the rows' statistics travels."""
 
     rank: int
     peers: tuple[int, ...]
     buckets: tuple[BucketSchedule, ...]
-    row_stats: frozenset[int] = frozenset()
+    row_stats: RowStats = RowStats()
 
     def elements(self, sent: bool) -> int:
         """Matrix elements sent to (or received from) other ranks per step (without the flags
@@ -95,60 +113,45 @@ class RankSchedule:
         return total
 
 
-def _to_owner(j: int, piece: Piece, row_stats: Collection[int]) -> Transfer:
-    """A piece on its way to the owner, with its rows' statistics when it starts the rows (one
-    copy of each row's, whichever column blocks the rows are cut into)."""
-    return Transfer(j, piece, int(j in row_stats and piece.col == 0))
-
-
-def _back(j: int, piece: Piece, row_stats: Collection[int]) -> Transfer:
-    """A piece of a result on its way back, with its rows' new statistics and update factors."""
-    return Transfer(j, piece, 2 * (j in row_stats))
-
-
-def _sends_to_owners(
-    plan: Plan, bucket: Bucket, me: int, row_stats: Collection[int]
-) -> dict[int, list[Transfer]]:
+def _sends_to_owners(plan: Plan, bucket: Bucket, me: int, row_stats: RowStats) -> dict[int, list[Transfer]]:
     """Owner -> this rank's pieces it sends there (one copy: senders are the owner's replica)."""
     out: dict[int, list[Transfer]] = {}
     for j in bucket.matrices:
         if me in plan.senders[j]:
-            out.setdefault(plan.owners[j], []).append(_to_owner(j, plan.matrices[j].pieces[me], row_stats))
+            piece = plan.matrices[j].pieces[me]
+            out.setdefault(plan.owners[j], []).append(Transfer(j, piece, row_stats.to_owner(j, piece)))
     return out
 
 
-def _receives_as_owner(
-    plan: Plan, bucket: Bucket, me: int, row_stats: Collection[int]
-) -> dict[int, list[Transfer]]:
+def _receives_as_owner(plan: Plan, bucket: Bucket, me: int, row_stats: RowStats) -> dict[int, list[Transfer]]:
     """Sender -> the pieces of this rank's matrices it sends here."""
     out: dict[int, list[Transfer]] = {}
     for j in plan.owned_by(bucket, me):
         for src in sorted(plan.senders[j]):
-            out.setdefault(src, []).append(_to_owner(j, plan.matrices[j].pieces[src], row_stats))
+            piece = plan.matrices[j].pieces[src]
+            out.setdefault(src, []).append(Transfer(j, piece, row_stats.to_owner(j, piece)))
     return out
 
 
-def _returns_as_owner(
-    plan: Plan, bucket: Bucket, me: int, row_stats: Collection[int]
-) -> dict[int, list[Transfer]]:
+def _returns_as_owner(plan: Plan, bucket: Bucket, me: int, row_stats: RowStats) -> dict[int, list[Transfer]]:
     """Holder -> its pieces of the results this rank owns."""
     out: dict[int, list[Transfer]] = {}
     for j in plan.owned_by(bucket, me):
         for dst, piece in enumerate(plan.matrices[j].pieces):
             if piece.numel:
-                out.setdefault(dst, []).append(_back(j, piece, row_stats))
+                out.setdefault(dst, []).append(Transfer(j, piece, row_stats.back(j)))
     return out
 
 
 def _returns_from_owners(
-    plan: Plan, bucket: Bucket, me: int, row_stats: Collection[int]
+    plan: Plan, bucket: Bucket, me: int, row_stats: RowStats
 ) -> dict[int, list[Transfer]]:
     """Owner -> this rank's pieces of the results it owns."""
     out: dict[int, list[Transfer]] = {}
     for j in bucket.matrices:
         piece = plan.matrices[j].pieces[me]
         if piece.numel:
-            out.setdefault(plan.owners[j], []).append(_back(j, piece, row_stats))
+            out.setdefault(plan.owners[j], []).append(Transfer(j, piece, row_stats.back(j)))
     return out
 
 
@@ -181,7 +184,7 @@ def rank_schedule(
     peers: Sequence[int],
     flags: int = 0,
     flags_last: bool = False,
-    row_stats: Collection[int] = (),
+    row_stats: RowStats = RowStats(),
 ) -> RankSchedule:
     """``rank``'s schedule for ``plan`` (see ``RankSchedule``), with ``flags`` check elements per
     segment of the first exchange (of the last one with ``flags_last``) and the statistics of
@@ -214,7 +217,7 @@ def rank_schedule(
                 own_results=tuple(returned.get(rank, ())),
             )
         )
-    schedule = RankSchedule(rank, peers, tuple(buckets), frozenset(row_stats))
+    schedule = RankSchedule(rank, peers, tuple(buckets), row_stats)
     check(plan, schedule)
     return schedule
 
@@ -246,15 +249,15 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
                     "outside it"
                 )
             covered[t.matrix] += p.numel
-            stat_rows[t.matrix] += t.stats * p.rows
+            stat_rows[t.matrix] += p.rows if t.stats else 0
         for j, area in covered.items():
             if area != plan.matrices[j].numel:
                 fail(f"bucket {k}: matrix {j} is covered by {area} elements, not {plan.matrices[j].numel}")
-            if stat_rows[j] != (plan.matrices[j].rows if j in schedule.row_stats else 0):
+            if stat_rows[j] != (plan.matrices[j].rows if j in schedule.row_stats.matrices else 0):
                 fail(f"bucket {k}: matrix {j} receives statistics for {stat_rows[j]} rows")
         returned = bucket.from_owners.receive if bucket.from_owners else ()
         for t in [t for segment in returned for t in segment] + list(bucket.own_results):
-            stats = 2 * (t.matrix in schedule.row_stats)
+            stats = schedule.row_stats.back(t.matrix)
             if t.piece != plan.matrices[t.matrix].pieces[me] or t.stats != stats:
                 fail(f"bucket {k} returns {t}, not this rank's piece with {stats} statistics per row")
             held[t.matrix] = held.get(t.matrix, 0) + 1

@@ -60,6 +60,7 @@ def follow(
             state[new] = {
                 key: value.to(new.device) if key == "step" else placed_like(value, fresh[key])
                 for key, value in saved.items()
+                if key in fresh  # (an entry the group's variant no longer keeps goes)
             }
         else:
             state[new] = initial_state(new, groups[g])

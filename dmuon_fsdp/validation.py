@@ -193,6 +193,15 @@ def check_muon_group(group: dict[str, Any]) -> None:
         raise ValueError(f"normuon_eps must be a finite number > 0, got {group['normuon_eps']!r}")
 
 
+def check_groups(groups: list[dict[str, Any]], first_index: int = 0) -> None:
+    """Check the options of param groups (numbered from ``first_index``); an error names its group."""
+    for index, group in enumerate(groups, start=first_index):
+        try:
+            (check_muon_group if group["use_muon"] else check_adamw_group)(group)
+        except ValueError as e:
+            raise ValueError(f"param group {index}: {e}") from None
+
+
 def check_adamw_group(group: dict[str, Any]) -> None:
     _non_negative(group, "lr", "weight_decay", "eps")
     betas = group["betas"]
@@ -254,10 +263,7 @@ def check_new_groups(
     meshes = dict(meshes)
     for index, new in enumerate(new_groups, start=first_index):
         merged = {**defaults, **new}
-        try:
-            (check_muon_group if new["use_muon"] else check_adamw_group)(merged)
-        except ValueError as e:
-            raise ValueError(f"param group {index}: {e}") from None
+        check_groups([merged], index)
         for item in new["params"]:
             p = item[1] if isinstance(item, tuple) else item
             name = names[p]

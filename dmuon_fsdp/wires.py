@@ -18,8 +18,9 @@ from dmuon_fsdp.schedule import Transfer, Wire
 @dataclass(frozen=True)
 class Slot:
     """Where a transfer sits in a buffer: its piece (rows, cols) and its rows' statistics (None
-    when none travel): to the owner, one number per row (``second_moments``); back, the new ones
-    and then each row's factor (``factors``)."""
+    when none travel, see ``schedule.RowStats``): to the owner, the rows' second moments; back,
+    the new ones (``second_moments``) and then the rows' factors (``factors``), as the wire
+    holds float32 numbers (``as_wire``)."""
 
     transfer: Transfer
     piece: Tensor
@@ -27,12 +28,17 @@ class Slot:
 
     @property
     def second_moments(self) -> Tensor:
-        return self.stats[: self.transfer.piece.rows]
+        return self.stats[: self.stats.numel() // 2]
 
     @property
     def factors(self) -> Tensor:
-        """Each row's factor, shaped (rows, 1) to scale the piece."""
-        return self.stats[self.transfer.piece.rows :].view(-1, 1)
+        return self.stats[self.stats.numel() // 2 :]
+
+
+def as_wire(numbers: Tensor, dtype: torch.dtype) -> Tensor:
+    """Float32 ``numbers`` as a wire of ``dtype`` carries them exactly: their bits, two 16-bit
+    elements each, on a 16-bit wire; else themselves (a copy converts them, exactly)."""
+    return numbers.view(dtype) if dtype.itemsize == 2 else numbers
 
 
 @dataclass(frozen=True)

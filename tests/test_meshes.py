@@ -52,12 +52,10 @@ def test_replicated_parameters_split_ns_across_ranks(world_size, replicate_dtens
         assert counts["sent"] > 0
 
 
-def ddp_lower_precision_wire(rank, world_size, variant):
+def ddp_lower_precision_wire(rank, world_size, variant, ns_dtype, comm_dtype):
     model = Weights(SHAPES)
     loss = DistributedDataParallel(model)
-    opt = DMuonFSDP(
-        model.parameters(), lr=0.05, ns_dtype=torch.float32, comm_dtype=torch.bfloat16, variant=variant
-    )
+    opt = DMuonFSDP(model.parameters(), lr=0.05, ns_dtype=ns_dtype, comm_dtype=comm_dtype, variant=variant)
     for step in range(STEPS):
         loss(step).backward()
         opt.step()
@@ -67,14 +65,22 @@ def ddp_lower_precision_wire(rank, world_size, variant):
     }
 
 
-@pytest.mark.parametrize("variant", ["muon", "normuon"])
-def test_replicas_stay_equal_with_a_lower_precision_wire(variant):
-    # bf16 on the wire, fp32 NS: an owner's own copy of a result (and of NorMuon's row
-    # statistics) is rounded through bf16 like the copy it sends, so DDP replicas stay bitwise
-    # equal, state included.
-    first, second = run_ranks(ddp_lower_precision_wire, 2, variant)
+@pytest.mark.parametrize(
+    "variant,ns_dtype,comm_dtype",
+    [
+        ("muon", torch.float32, torch.bfloat16),
+        ("normuon", torch.float32, torch.bfloat16),
+        ("normuon", torch.bfloat16, torch.bfloat16),  # CUDA's default: NS and wire in bf16
+        ("normuon", torch.float32, torch.float16),
+    ],
+)
+def test_replicas_stay_equal_with_a_lower_precision_wire(variant, ns_dtype, comm_dtype):
+    # bf16 on the wire, fp32 NS: an owner's own copy of a result is rounded through bf16 like the
+    # copy it sends, and NorMuon's float32 row statistics travel as their bits: DDP replicas stay
+    # bitwise equal, state included (and finite: an fp16 wire carries the statistics exactly).
+    first, second = run_ranks(ddp_lower_precision_wire, 2, variant, ns_dtype, comm_dtype)
     for name, value in first.items():
-        assert torch.equal(value, second[name]), name
+        assert torch.equal(value, second[name]) and value.isfinite().all(), name
 
 
 class TensorParallelMLP(nn.Module):

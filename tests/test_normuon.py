@@ -228,3 +228,47 @@ def test_a_variant_changed_between_steps_keeps_the_momentum():
     assert torch.equal(muon["momentum_buffer"], switched["momentum_buffer"])  # the same gradients
     assert "neuron_second_moment" not in muon and switched["neuron_second_moment"].shape == (6,)
     assert switched["neuron_second_moment"].min() > 0  # made at the switch, updated since
+
+
+def test_float64_newton_schulz_and_a_zero_row():
+    params = {"w": nn.Parameter(torch.randn(6, 4)), "v": nn.Parameter(torch.randn(5, 7))}
+    grads = {
+        "w": torch.randn(6, 4).index_fill_(0, torch.tensor([2]), 0.0),
+        "v": torch.randn(5, 7),
+    }  # a dead row
+    opt = DMuonFSDP(list(params.items()), ns_dtype=torch.float64, **NORMUON)
+    ref = {n: p.detach().double().clone() for n, p in params.items()}
+    bufs = {n: torch.zeros_like(r) for n, r in ref.items()}
+    moments = {n: torch.zeros(r.shape[0], dtype=torch.float64) for n, r in ref.items()}
+    for _ in range(3):
+        for n, p in params.items():
+            p.grad = grads[n].clone()
+        opt.step()
+        for n in ref:
+            options = dict(lr=0.02, second_moment=moments[n], normuon_beta2=0.9, normuon_eps=1e-6)
+            reference_muon_step(ref[n], grads[n].double(), bufs[n], **options)
+    for n, p in params.items():
+        assert relative_error(p.detach(), ref[n]) <= 1e-6 and p.isfinite().all()
+
+
+def test_options_set_between_steps_are_checked_at_the_next_step():
+    w = nn.Parameter(torch.randn(4, 4))
+    opt = DMuonFSDP([("w", w)], **NORMUON)
+    w.grad = torch.randn(4, 4)
+    opt.step()
+    opt.param_groups[0]["normuon_beta2"] = 1.5
+    with pytest.raises(
+        ValueError, match=re.escape("param group 0: normuon_beta2 must be in [0, 1), got 1.5")
+    ):
+        opt.step()
+
+
+def test_flatten_changed_between_steps_remakes_the_second_moments():
+    w = nn.Parameter(torch.randn(3, 8, 12))
+    opt = DMuonFSDP([{"params": [("w", w)], "flatten": False}], **NORMUON)
+    for flatten, shape in ((False, (3, 8)), (True, (3,)), (False, (3, 8))):
+        opt.param_groups[0]["flatten"] = flatten
+        w.grad = torch.randn(3, 8, 12)
+        opt.step()
+        assert tuple(opt.state[w]["neuron_second_moment"].shape) == shape
+        assert opt.state[w]["neuron_second_moment"].min() > 0

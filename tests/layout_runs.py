@@ -41,6 +41,21 @@ class Weights(nn.Module):
         return sum((w * torch.randn(w.shape, generator=gen)).sum() for w in local)
 
 
+def given_gradients(model):
+    """A loss function for models whose forward DTensor cannot run (uneven tensor parallelism):
+    it sets every gradient directly, random local shards, equal on the ranks that replicate
+    them (read back by ``full_tensor``), and returns a zero loss."""
+
+    def loss(step):
+        for p in model.parameters():
+            seed = 1000 * step + sum(c * 10**i for i, c in enumerate(p.device_mesh.get_coordinate()))
+            local = torch.randn(p.to_local().shape, generator=torch.Generator().manual_seed(seed))
+            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        return torch.zeros((), requires_grad=True)
+
+    return loss
+
+
 def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 

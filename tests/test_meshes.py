@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from layout_runs import SHAPES, STEPS, Weights, check, train
+from layout_runs import SHAPES, STEPS, Weights, check, given_gradients, train
 from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -106,16 +106,7 @@ def fsdp_tp(rank, world_size, hidden):
         x = torch.randn(4, 9, generator=torch.Generator().manual_seed(step))
         return model(x).pow(2).sum()
 
-    def given_gradients(step):
-        # DTensor's forward cannot run uneven tensor parallelism, so gradients are set directly:
-        # random local shards, equal on the ranks that replicate them, read back by full_tensor.
-        for p in model.parameters():
-            seed = 1000 * step + sum(c * 10**i for i, c in enumerate(p.device_mesh.get_coordinate()))
-            local = torch.randn(p.to_local().shape, generator=torch.Generator().manual_seed(seed))
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        return torch.zeros((), requires_grad=True)
-
-    loss = forward_loss if hidden % 2 == 0 else given_gradients
+    loss = forward_loss if hidden % 2 == 0 else given_gradients(model)
     return (*train(model, list(model.named_parameters()), loss), placements)
 
 

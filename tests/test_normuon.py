@@ -10,13 +10,13 @@ import re
 import checkpoints
 import pytest
 import torch
-from layout_runs import SHAPES, Weights, check, full, train
+from layout_runs import SHAPES, Weights, check, full, given_gradients, train
 from reference import KELLER, reference_muon_step, reference_orthogonalize, relative_error
 from spawn import cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -55,22 +55,8 @@ def layouts(rank, world_size, layout):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
-        loss = _given_gradients(model)
+        loss = given_gradients(model)
     return train(model, list(model.named_parameters()), loss, **NORMUON)
-
-
-def _given_gradients(model):
-    """DTensor cannot run uneven tensor parallelism forward: gradients are set directly, random
-    local shards, equal on the ranks that replicate them."""
-
-    def loss(step):
-        for p in model.parameters():
-            seed = 1000 * step + sum(c * 10**i for i, c in enumerate(p.device_mesh.get_coordinate()))
-            local = torch.randn(p.to_local().shape, generator=torch.Generator().manual_seed(seed))
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        return torch.zeros((), requires_grad=True)
-
-    return loss
 
 
 @pytest.mark.parametrize("layout,world_size", [("hsdp", 4), ("ddp", 3), ("fsdp_tp", 4)])

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install dmuon_fsdp with its dev and recipes extras.
+# Create .venv (if missing) and install dmuon_fsdp with the extras given as the first argument
+# (default: dev,recipes, what the tests need; the demo asks for recipes alone).
 # torch first, when .venv has none, saying which build it took:
 #   - DMUON_TORCH set: that requirement, as given (e.g. DMUON_TORCH="torch==2.13.0");
 #   - an NVIDIA GPU: torch>=2.6 from pip's sources (the package index serves the CUDA build);
@@ -29,4 +30,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     fi
     .venv/bin/python -c "import torch; print('setup: torch', torch.__version__, '(CUDA %s build)' % torch.version.cuda if torch.version.cuda else '(CPU build)')"
 fi
-.venv/bin/python -m pip install -q -e ".[dev,recipes]"
+.venv/bin/python -m pip install -q -e ".[${1:-dev,recipes}]"

@@ -3,7 +3,7 @@
 # then run the whole test suite in parallel (CPU + gloo). Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh dev,recipes
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
 exec .venv/bin/python -m pytest -n "${DMUON_TEST_WORKERS:-2}" "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -191,3 +192,46 @@ def test_ns_accuracy_reads_a_checkpoints_momentum(tmp_path):
         failed.returncode != 0
         and f"error: {tmp_path} is not a complete checkpoint (no .metadata)" in failed.stderr
     )
+
+
+def test_the_demo_sets_up_only_what_it_runs():
+    """scripts/demo.sh installs the package with its `recipes` extra; everything the demo's three
+    commands import (pretrain, report with its figure, sample) comes from torch, that extra or
+    what they require, and the test-only stack (trainers, TensorBoard, pytest) is not among them."""
+    from importlib import metadata
+
+    import tomllib
+
+    assert "bash scripts/setup_env.sh recipes " in (ROOT / "scripts/demo.sh").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def name(requirement: str) -> str:  # "mpmath<1.4,>=1.1.0; extra == 'x'" -> "mpmath"
+        return re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
+
+    def closure(names: list[str]) -> set[str]:
+        """The distributions these require, transitively (as installed here; extras not taken)."""
+        seen, todo = set(), list(names)
+        while todo:
+            dist = todo.pop()
+            if dist in seen:
+                continue
+            seen.add(dist)
+            try:
+                requires = metadata.requires(dist) or []
+            except metadata.PackageNotFoundError:
+                continue
+            todo += [name(r) for r in requires if "extra ==" not in r]
+        return seen
+
+    demo = closure(["torch", *map(name, extras["recipes"])])
+    assert not {"transformers", "lightning", "accelerate", "tensorboard", "pytest"} & demo
+    script = (
+        "import sys, json, recipes.pretrain, recipes.report, recipes.sample\n"
+        "import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    owners = metadata.packages_distributions()
+    imported = {d.lower().replace("_", "-") for m in json.loads(done.stdout) for d in owners.get(m, [])}
+    assert imported - demo - {"dmuon-fsdp"} == set(), "the demo imports what its set-up does not install"

@@ -230,21 +230,6 @@ def test_empty_parameter_list_raises():
         DMuonFSDP([])
 
 
-def test_param_groups_pick_only_the_last_vocabulary_projection():
-    # Hidden layers as wide as the vocabulary must stay on Muon.
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(32, 8)
-            self.up = nn.Linear(8, 32)
-            self.mid = nn.Linear(32, 32)
-            self.head = nn.Linear(32, 32)
-
-    groups = param_groups(Model())
-    assert [n for n, _ in groups[0]["params"]] == ["up.weight", "mid.weight"]
-    assert "head.weight" in [n for n, _ in groups[1]["params"]]
-
-
 def test_plan_is_cached_and_rebuilt_when_the_set_of_matrices_changes():
     ws = [nn.Parameter(torch.randn(4, 6)) for _ in range(3)]
     opt = DMuonFSDP(ws)

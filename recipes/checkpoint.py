@@ -28,7 +28,7 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
 
 
 class CheckpointError(Exception):
-    """A checkpoint that could not be read; the message names it."""
+    """A checkpoint that could not be read or written; the message names it and the cause."""
 
 
 def step_of(path: Path) -> int | None:
@@ -58,10 +58,30 @@ def latest(run_dir: str | Path) -> Path | None:
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints; returns what was deleted.
     Incomplete ones are left for the user to look at."""
-    old = [p for p in all_steps(run_dir) if is_complete(p)][:-keep]
+    done = [p for p in all_steps(run_dir) if is_complete(p)]
+    old = done[: max(0, len(done) - keep)]
     for path in old:
         shutil.rmtree(path)
     return old
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+ROOM_MARGIN = 1.1  # a checkpoint grows a little from save to save (optimizer state, step counts)
+
+
+def make_room(run_dir: str | Path, keep: int) -> list[Path]:
+    """Before a save under ``--keep-last keep``: when the disk has less free room than the newest
+    complete checkpoint takes (with a margin), delete the oldest complete ones down to
+    ``keep - 1`` first, so that a disk holding ``keep`` checkpoints suffices; otherwise nothing
+    (``prune`` after the save keeps the newest ``keep``, and a failed save loses none). Returns
+    what was deleted."""
+    done = [p for p in all_steps(run_dir) if is_complete(p)]
+    if not keep or len(done) < keep or shutil.disk_usage(done[-1]).free > ROOM_MARGIN * _size(done[-1]):
+        return []
+    return prune(run_dir, keep - 1)
 
 
 def _state(model: nn.Module, optimizers: list, schedulers: list, step: int) -> dict:
@@ -74,23 +94,34 @@ def _state(model: nn.Module, optimizers: list, schedulers: list, step: int) -> d
     }
 
 
+def _cause(error: BaseException) -> str:
+    """The first line of the first failing rank's error. DCP gathers every rank's failure into a
+    CheckpointException (a BaseException) that every rank raises, so all name the same cause."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        rank, (error, _) = min(error.failures.items())
+        cause = f"{type(error).__name__}: {error} (rank {rank})"
+    else:
+        cause = f"{type(error).__name__}: {error}"
+    return cause.splitlines()[0]
+
+
 def save(path: str | Path, model: nn.Module, optimizers: list, schedulers: list, step: int) -> None:
-    dcp.save(_state(model, optimizers, schedulers, step), checkpoint_id=str(path))
+    """Save with DCP; a failure (a full disk, a directory that cannot be written) is a
+    CheckpointError naming the checkpoint and the cause, on every rank. What the failed save
+    wrote stays: without .metadata it is incomplete, and a resume skips it."""
+    try:
+        dcp.save(_state(model, optimizers, schedulers, step), checkpoint_id=str(path))
+    except (Exception, dcp.CheckpointException) as error:
+        raise CheckpointError(f"checkpoint {path} could not be saved: {_cause(error)}") from error
 
 
 def _read(state: dict, path: str | Path, **kwargs) -> None:
     """``dcp.load`` into ``state``; any failure becomes a CheckpointError naming the checkpoint
-    and the first failing rank's cause (DCP gathers them into a CheckpointException, which is a
-    BaseException, so every rank raises the same error)."""
+    and the cause."""
     try:
         dcp.load(state, checkpoint_id=str(path), **kwargs)
     except (Exception, dcp.CheckpointException) as error:
-        if isinstance(error, dcp.CheckpointException) and error.failures:
-            rank, (error, _) = min(error.failures.items())
-            cause = f"{type(error).__name__}: {error} (rank {rank})"
-        else:
-            cause = f"{type(error).__name__}: {error}"
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {cause.splitlines()[0]}") from error
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {_cause(error)}") from error
 
 
 def _without_newer_group_options(state: dict, path: str | Path) -> None:

@@ -8,6 +8,8 @@ world size. Rank r of W takes rows [r * B / W, (r + 1) * B / W) of the global ba
 
 from __future__ import annotations
 
+import argparse
+import codecs
 import hashlib
 import os
 import sysconfig
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from recipes.model import ModelConfig
+from recipes.options import UsageError
 
 VAL_FRACTION = 0.05
 
@@ -42,9 +47,24 @@ def largest_token(tokens: torch.Tensor) -> int:
     """The largest id in a uint16 stream (-1 if empty), in chunks so a memory-mapped file of
     billions of tokens is never widened whole."""
     largest = -1
-    for chunk in tokens.split(1 << 24):
+    for chunk in tokens.split(1 << 24) if len(tokens) else ():
         largest = max(largest, int((chunk.to(torch.int32) & 0xFFFF).max()))
     return largest
+
+
+def looks_like_text(path: Path) -> bool:
+    """Whether a file's first 64 KiB read as text: UTF-8, no NUL byte, nearly all printable. A
+    uint16 token file has a NUL in every id below 256 and invalid UTF-8 in most others."""
+    with path.open("rb") as file:
+        head = file.read(1 << 16)
+    if not head or b"\0" in head:
+        return False
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end waits
+    except UnicodeDecodeError:
+        return False
+    printable = sum(ch.isprintable() or ch in "\t\n\r\f\v" for ch in text)
+    return printable >= 0.95 * len(text)
 
 
 def token_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -189,3 +209,54 @@ def validation_batches(
         windows = token_ids(tokens[row_starts[:, None] + torch.arange(seq_len + 1)])
         out.append((windows[:, :-1], windows[:, 1:]))
     return out
+
+
+def load_corpus(args: argparse.Namespace) -> Corpus:
+    """The corpus the flags name; a missing, empty or malformed file is a UsageError naming the
+    flag (a text file given as --data is named as such)."""
+    flag, path = ("--data", args.data) if args.data else ("--text", args.text) if args.text else (None, None)
+    if flag is None:
+        return stdlib_corpus(args.cache_dir)
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{flag} {path}: no such file")
+    if not path.is_file():
+        raise UsageError(f"{flag} {path}: not a file")
+    if path.stat().st_size == 0:
+        raise UsageError(f"{flag} {path}: the file is empty")
+    if flag == "--data" and looks_like_text(path):
+        raise UsageError(
+            f"--data {path}: this is a text file, not uint16 tokens; pass it as --text (byte-level)"
+        )
+    path = path.resolve()  # the data's identity in config.json, however it was typed
+    try:
+        return token_file_corpus(path, args.vocab_size) if args.data else text_corpus(path)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{flag} {error}") from error
+
+
+def check_corpus(corpus: Corpus, cfg: ModelConfig, args: argparse.Namespace, world_size: int) -> None:
+    """Both streams fit the model: ids inside the vocabulary, long enough for their windows."""
+    for split, source, tokens, largest in (
+        ("training", corpus.train_source, corpus.train, corpus.train_max),
+        ("validation", corpus.val_source, corpus.val, corpus.val_max),
+    ):
+        if len(tokens) <= cfg.seq_len + 1:
+            raise UsageError(
+                f"{split} data {source}: {len(tokens)} tokens are too few for one window of "
+                f"--seq-len + 1 = {cfg.seq_len + 1}"
+            )
+        if largest >= cfg.vocab_size:
+            raise UsageError(
+                f"{split} data {source}: token id {largest} is outside the vocabulary of "
+                f"{cfg.vocab_size} (preset {args.preset}); pass --vocab-size {largest + 1} or more"
+            )
+    windows = max(1, args.batch_size // world_size) * args.val_batches * world_size
+    if (
+        len(corpus.val) < windows + cfg.seq_len
+    ):  # validation_batches spaces its windows a token apart at least
+        raise UsageError(
+            f"validation data {corpus.val_source}: {len(corpus.val)} tokens are too few for "
+            f"{windows} windows of {cfg.seq_len + 1} (--val-batches {args.val_batches}); "
+            f"it needs {windows + cfg.seq_len}: lower --val-batches or --batch-size"
+        )

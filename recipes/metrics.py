@@ -1,7 +1,7 @@
 """What the recipe logs each step: model flops, MFU, peak memory, and the metrics file itself.
 
 metrics.jsonl is the source of truth (one JSON object per step); TensorBoard, when asked for,
-gets the same numbers.
+gets the same numbers. The console shows a progress bar on a terminal and plain lines otherwise.
 """
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import resource
 import statistics
+import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from recipes.model import ModelConfig
 
@@ -93,8 +95,11 @@ class MetricsLog:
             self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as error:  # a file object's write does not name its file
+            raise OSError(error.errno, error.strerror, self.file.name) from error
         if self.writer:
             for key, value in record.items():
                 if key == "step" or value is None:
@@ -109,3 +114,60 @@ class MetricsLog:
         self.file.close()
         if self.writer:
             self.writer.close()
+
+
+def log_line(record: dict, steps: int) -> str:
+    """One step's plain log line: loss, validation loss when evaluated, both lrs, gradient norm,
+    throughput, MFU when known, step time."""
+    parts = [f"step {record['step']}/{steps}", f"loss {record['train_loss']:.4f}"]
+    if "val_loss" in record:
+        parts.append(f"val loss {record['val_loss']:.4f}")
+    parts.append(f"lr {record['lr']:.4g}")
+    if record.get("adamw_lr") is not None:
+        parts.append(f"adamw lr {record['adamw_lr']:.4g}")
+    parts += [f"grad norm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
+    if "mfu" in record:
+        parts.append(f"mfu {record['mfu']:.1%}")
+    parts.append(f"{record['fwd_bwd_ms'] + record['opt_ms']:.0f} ms (optimizer {record['opt_ms']:.1f})")
+    return " | ".join(parts)
+
+
+class Console:
+    """Rank 0's output (the others' is silent): a progress bar on a terminal; when the output is
+    not one (a file, a pipe) or with ``plain``, a ``log_line`` every ``log_every`` steps, at each
+    validation and at the last step."""
+
+    def __init__(self, active: bool, plain: bool, log_every: int, steps: int, first_step: int, name: str):
+        self.active, self.log_every, self.steps = active, log_every, steps
+        plain = plain or not sys.stdout.isatty()
+        self.bar = (
+            tqdm(total=steps, initial=first_step, desc=name, dynamic_ncols=True)
+            if active and not plain
+            else None
+        )
+
+    def say(self, text: str) -> None:
+        if self.bar:
+            self.bar.write(text)
+        elif self.active:
+            print(text, flush=True)
+
+    def step(self, record: dict) -> None:
+        step = record["step"]
+        if self.bar:
+            self.bar.set_postfix(
+                loss=f"{record['train_loss']:.3f}",
+                gnorm=f"{record['grad_norm']:.2f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                fb_ms=f"{record['fwd_bwd_ms']:.0f}",
+                opt_ms=f"{record['opt_ms']:.1f}",
+            )
+            self.bar.update(1)
+            if "val_loss" in record:
+                self.say(f"step {step}: val loss {record['val_loss']:.4f}")
+        elif step % self.log_every == 0 or "val_loss" in record or step == self.steps:
+            self.say(log_line(record, self.steps))
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()

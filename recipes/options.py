@@ -155,7 +155,20 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     run.add_argument(
         "--save-every", type=int, default=0, help="checkpoint every N steps (0: never, see --save-final)"
     )
-    run.add_argument("--save-final", action="store_true", help="checkpoint after the last step")
+    run.add_argument(
+        "--save-final",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="checkpoint after the last step (--no-save-final: not)",
+    )
+    run.add_argument(
+        "--save-on-stop",
+        type=int,
+        default=1,
+        metavar="N",
+        help="on SIGTERM or SIGINT, checkpoint after the step in progress unless the newest checkpoint "
+        "is fewer than N steps old (0: never), then exit with status 3",
+    )
     run.add_argument(
         "--keep-last", type=int, default=0, help="keep only the newest K complete checkpoints (0: all)"
     )
@@ -172,7 +185,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     run.add_argument(
         "--tensorboard", action="store_true", help="also log to <run-dir>/tensorboard (needs tensorboard)"
     )
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    run.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="a log line every N steps (and at each validation) when output is not a terminal or "
+        "with --no-progress",
+    )
 
     system = p.add_argument_group("system")
     system.add_argument(
@@ -193,11 +213,35 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+# Settings of one launch, not of the run: a resume takes them from its own command line only.
+PER_LAUNCH = ("resume", "overwrite", "run_dir", "no_progress", "device", "threads")
+
+
 def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
-    args = build_parser(description).parse_args(argv)
-    args.lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    """The flags; ``args.given`` names those on the command line (a resume keeps the saved run's
+    value of every other one: ``continue_run``)."""
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    unset = object()  # argparse sets defaults only where the namespace has no value yet
+    again = vars(parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset))))
+    args.given = frozenset(key for key, value in again.items() if value is not unset)
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.optimizer]
     args.run_dir = args.run_dir or _resumed_run_dir(args.resume) or f"runs/{args.preset}-{args.optimizer}"
     return args
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The flags as config.json keeps them (``given`` is the launch's, not the run's)."""
+    return {k: v for k, v in vars(args).items() if k != "given"}
+
+
+def continue_run(args: argparse.Namespace, saved: dict) -> None:
+    """A resume continues the run it resumes: every flag not given again takes the value the
+    run saved in config.json (flags the run predates keep their defaults)."""
+    for key, value in saved.items():
+        if key not in args.given and key not in PER_LAUNCH and hasattr(args, key):
+            setattr(args, key, value)
 
 
 def _resumed_run_dir(resume: str | None) -> str | None:
@@ -220,6 +264,8 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         "--val-batches": (args.val_batches, 1),
         "--save-every": (args.save_every, 0),
         "--keep-last": (args.keep_last, 0),
+        "--save-on-stop": (args.save_on_stop, 0),
+        "--log-every": (args.log_every, 1),
         "--replicas": (args.replicas, 1),
         "--seq-len": (args.seq_len, 1),
         "--vocab-size": (args.vocab_size, 1),
@@ -268,3 +314,17 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--bucket-mib must be positive (got {args.bucket_mib:g})")
     if args.overwrite and args.resume == "auto":
         raise UsageError("--overwrite and --resume auto contradict each other: pass one")
+
+
+def lr_factor(args: argparse.Namespace):
+    """The lr schedule as a factor of the peak lr at a 0-based step: linear warm-up, then cosine or
+    linear decay to --min-lr-ratio at --steps."""
+
+    def factor(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if args.decay == "cosine" else 1 - progress
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * shape
+
+    return factor

@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 from recipes.metrics import step_times
+from recipes.run_dir import replace_file
 
 SUMMARY_KEYS = ("lr", "steps", "final_val_loss", "median_step_ms", "optimizer_share", "peak_memory_mb")
 
@@ -173,7 +174,9 @@ def plot(runs: list[dict], path: Path) -> None:
     step_ax.legend(fontsize="small")
     fig.suptitle(title(runs))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = path.with_name(f"{path.name}.tmp.png")  # the whole figure or the old one, never half
+    fig.savefig(tmp, dpi=120)
+    tmp.replace(path)
     plt.close(fig)
 
 
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     text = table(runs)
-    (root / "summary.md").write_text(text + "\n")
+    replace_file(root / "summary.md", text + "\n")
     plot(runs, root / "loss.png")
     print(text)
     print(f"\nwrote {root / 'summary.md'} and {root / 'loss.png'}")

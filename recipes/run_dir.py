@@ -1,9 +1,13 @@
 """The run directory: one run's config.json, metrics.jsonl, summary.json and checkpoints.
 
-``plan_start`` decides, reading only, where a run starts: fresh, or from which checkpoint, and
-refuses (UsageError) to mix two runs in one directory or to resume a run of another model, data
-or optimizer. ``begin`` then carries the decision out on rank 0: deletes an earlier run on
---overwrite, writes config.json and cuts metrics.jsonl back to the checkpoint's step.
+``saved_config`` reads the config.json of the run --resume names: its settings stand for the
+flags not given again. With the run dir locked, ``find_resumed`` finds the checkpoint and
+``plan_start`` decides, reading only, where a run starts: fresh, or from which checkpoint; it
+refuses (UsageError) to mix two runs in one directory or to resume a run of another model,
+data or optimizer. ``begin`` then carries the decision out on rank 0: deletes an earlier run on
+--overwrite, writes config.json and cuts metrics.jsonl back to the checkpoint's step. Every
+file it rewrites is replaced whole (``replace_file``): a kill at any moment leaves the old file
+or the new one.
 """
 
 from __future__ import annotations
@@ -20,9 +24,19 @@ from pathlib import Path
 
 from recipes import checkpoint
 from recipes.model import ModelConfig
-from recipes.options import UsageError
+from recipes.options import PER_LAUNCH, UsageError, lr_factor, run_settings
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard")
+
+
+@dataclass
+class Resumed:
+    """What --resume names, read before anything else (the flags not given again come from it)."""
+
+    checkpoint: Path | None  # the complete checkpoint to continue from, or None
+    source_dir: Path | None  # the run directory it belongs to (None: a checkpoint outside one)
+    continues_run: bool  # --run-dir's own run goes on
+    config: dict | None  # the config.json of source_dir (or of --run-dir with --resume auto)
 
 
 @dataclass
@@ -43,7 +57,7 @@ def make_config(
         "run_id": uuid.uuid4().hex[:12],
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": world_size,
-        "args": vars(args),
+        "args": run_settings(args),
         "data": data,
         "loss_unit": "nats per byte" if byte_level else "nats per token",
         "tokens_per_step": args.batch_size * model.seq_len,
@@ -62,24 +76,24 @@ def _differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     if old["args"]["preset"] == new["args"]["preset"]:  # else the preset says it all
         pairs += [(k, old["model"].get(k), v) for k, v in new["model"].items() if k != "vocab_size"]
     wrong = [f"{what} {a} -> {b}" for what, a, b in pairs if a != b]
-    ignored = {
-        "resume",
-        "overwrite",
-        "run_dir",
-        "steps",
-        "no_progress",
-        "save_every",
-        "save_final",
-        "keep_last",
-    }
     changed = [
         f"--{k.replace('_', '-')} {old['args'].get(k)} -> {v}"
         for k, v in new["args"].items()
-        if k not in ignored and k in old["args"] and old["args"][k] != v
+        if k not in PER_LAUNCH and k in old["args"] and old["args"][k] != v
     ]
     if old["world_size"] != new["world_size"]:
         changed.append(f"ranks {old['world_size']} -> {new['world_size']}")
     return wrong, changed
+
+
+def _schedule_change(old: dict, new: dict, step: int) -> str | None:
+    """What a changed schedule (length, warm-up, decay, peak) does to the next step's lr."""
+    was, now = (
+        args["lr"] * lr_factor(argparse.Namespace(**args))(step) for args in (old["args"], new["args"])
+    )
+    if was == now:
+        return None
+    return f"the lr of step {step + 1} is {now:.5g} ({was:.5g} on the run's schedule until now)"
 
 
 def _resolve(target: Path) -> Path:
@@ -114,17 +128,10 @@ def _read_config(path: Path) -> dict | None:
         raise UsageError(f"{path} is not valid JSON ({error})") from error
 
 
-def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
-    """Where this run starts; raises UsageError naming the flag and path. Reads, never writes."""
+def find_resumed(args: argparse.Namespace) -> Resumed:
+    """The checkpoint --resume names and its run's config.json; raises UsageError naming the
+    flag and path. Reads, never writes."""
     run_dir = Path(args.run_dir)
-    existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"--run-dir {run_dir}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK):
-        raise UsageError(f"--run-dir {run_dir}: {existing} is not writable")
-    used = [name for name in RUN_FILES if (run_dir / name).exists()]
-    notes: list[str] = []
-    delete: list[Path] = []
     found = (
         checkpoint.latest(run_dir)
         if args.resume == "auto"
@@ -136,6 +143,43 @@ def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
     continues_run = args.resume == "auto" or (
         source_dir is not None and source_dir.resolve() == run_dir.resolve()
     )
+    config = _read_config((source_dir or run_dir) / "config.json") if source_dir or continues_run else None
+    return Resumed(found, source_dir, continues_run, config)
+
+
+def saved_config(args: argparse.Namespace) -> dict | None:
+    """The config.json of the run --resume continues, if there is one: its settings stand for
+    the flags not given again. Read before the run dir is locked, so it only looks (where the
+    checkpoint is and whether it is complete is decided under the lock, by ``find_resumed``)."""
+    if not args.resume:
+        return None
+    target = Path(args.run_dir) if args.resume == "auto" else Path(args.resume)
+    if target.parent.name == "checkpoints" and checkpoint.step_of(target) is not None:
+        target = target.parent.parent
+    config = _read_config(target / "config.json") if target.is_dir() else None
+    if config is not None and not isinstance(config.get("args"), dict):
+        raise UsageError(f"the config.json of {target} lacks 'args': not one this recipe wrote")
+    return config
+
+
+def check_run_dir(args: argparse.Namespace) -> None:
+    """--run-dir can be made and written: no file on its path, its nearest existing folder writable."""
+    run_dir = Path(args.run_dir)
+    existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--run-dir {run_dir}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        raise UsageError(f"--run-dir {run_dir}: {existing} is not writable")
+
+
+def plan_start(args: argparse.Namespace, config: dict, resumed: Resumed) -> RunStart:
+    """Where this run starts; raises UsageError naming the flag and path. Reads, never writes;
+    called with the run dir locked, so every rank reads the same."""
+    run_dir = Path(args.run_dir)
+    used = [name for name in RUN_FILES if (run_dir / name).exists()]
+    notes: list[str] = []
+    delete: list[Path] = []
+    found, source_dir, continues_run = resumed.checkpoint, resumed.source_dir, resumed.continues_run
     if source_dir is not None:
         newer = [
             p for p in checkpoint.all_steps(source_dir) if checkpoint.step_of(p) > checkpoint.step_of(found)
@@ -168,16 +212,16 @@ def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
         )
     if args.overwrite and continues_run and found is not None:
         raise UsageError(f"--overwrite would delete the checkpoint --resume names ({found})")
-    earlier = None
     if found is not None and source_dir is None:
         notes.append(f"cannot check the settings of {found}: it is not in a run directory's checkpoints/")
-    elif found is not None or continues_run:
-        earlier = _read_config((source_dir or run_dir) / "config.json")
-        if earlier is None and found is not None:
-            notes.append(f"cannot check the settings of {found}: no config.json in {source_dir}")
+    elif found is not None and resumed.config is None:
+        notes.append(f"cannot check the settings of {found}: no config.json in {source_dir}")
+    step = checkpoint.step_of(found) if found is not None else 0
+    earlier = resumed.config
     if earlier is not None:
         try:
             wrong, changed = _differences(earlier, config)
+            schedule = _schedule_change(earlier, config, step) if changed else None
         except KeyError as key:
             raise UsageError(
                 f"the config.json of {source_dir or run_dir} lacks {key}: not one this recipe wrote"
@@ -189,14 +233,25 @@ def plan_start(args: argparse.Namespace, config: dict) -> RunStart:
                 "(earlier -> now); start a new --run-dir for other settings"
             )
         if changed:
-            notes.append("resuming with changed settings: " + ", ".join(changed))
+            notes.append(
+                "resuming with changed settings: " + ", ".join(changed + ([schedule] if schedule else []))
+            )
         if continues_run:
             config = {**config, "run_id": earlier["run_id"], "created": earlier["created"]}
-    step = checkpoint.step_of(found) if found is not None else 0
     if step >= args.steps:
-        raise UsageError(f"--steps {args.steps}: {found} is already at step {step}")
+        raise UsageError(
+            f"--steps {args.steps}: {found} is already at step {step} (the run is done); pass a larger "
+            "--steps to train it further"
+        )
     delete += [run_dir / name for name in used] if args.overwrite else []
     return RunStart(run_dir, found, step, continues_run, delete, notes, config)
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole: into a temporary file beside it, then renamed over it."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def begin(start: RunStart) -> float:
@@ -218,8 +273,6 @@ def begin(start: RunStart) -> float:
                 continue
             if record["step"] <= start.step:
                 kept.append(line)
-    metrics.write_text("".join(line + "\n" for line in kept))
-    tmp = start.run_dir / "config.json.tmp"
-    tmp.write_text(json.dumps(start.config, indent=2) + "\n")
-    tmp.replace(start.run_dir / "config.json")
+    replace_file(metrics, "".join(line + "\n" for line in kept))
+    replace_file(start.run_dir / "config.json", json.dumps(start.config, indent=2) + "\n")
     return json.loads(kept[-1]).get("time_s", 0.0) if kept else 0.0

@@ -143,8 +143,8 @@ def test_smoke_two_ranks_and_the_logged_gradient_norm_is_before_clipping(tmp_pat
 
 
 def test_gradient_norm_is_returned_before_clipping_and_clips():
+    from recipes.build import gradient_norm
     from recipes.model import Transformer, preset
-    from recipes.pretrain import gradient_norm
 
     torch.manual_seed(0)
     model = Transformer(preset("tiny"))

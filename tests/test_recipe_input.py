@@ -67,6 +67,9 @@ def workspace(tmp_path_factory):
     write_uint16(root / "val/train.bin", tokens)
     write_uint16(root / "val/val.bin", tokens[:7] + [999] + tokens[8:500])
     (root / "short.txt").write_bytes(bytes(tokens[:700]))  # 35 validation bytes
+    (root / "empty.txt").write_bytes(b"")
+    write_uint16(root / "few.bin", tokens[:30])
+    (root / "prose.txt").write_text("Any text at all, read as uint16 tokens, makes ids past 256.\n" * 200)
     shutil.copytree(root / "used", root / "finished", ignore=shutil.ignore_patterns("checkpoints"))
     return root
 
@@ -147,6 +150,20 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
             f"validation data {root}/short.txt (last 5%): 35 tokens are too few for 8 windows of 33 "
             "(--val-batches 2); "
             "it needs 40: lower --val-batches or --batch-size",
+        ),
+        "empty --text": (["--text", f"{root}/empty.txt"], {}, f"--text {root}/empty.txt: the file is empty"),
+        "empty --data": (["--data", f"{root}/empty.txt"], {}, f"--data {root}/empty.txt: the file is empty"),
+        "text file as --data": (
+            ["--data", f"{root}/prose.txt"],
+            {},
+            f"--data {root}/prose.txt: this is a text file, not uint16 tokens; pass it as --text "
+            "(byte-level)",
+        ),
+        "--data too short": (
+            ["--data", f"{root}/few.bin"],
+            {},
+            f"training data {root}/few.bin (first 95%): 28 tokens are too few for one window of "
+            "--seq-len + 1 = 33",
         ),
         "resume auto of a finished run with no checkpoint": (
             ["--resume", "auto", "--run-dir", f"{root}/finished"],
@@ -257,30 +274,27 @@ def test_a_corrupt_checkpoint_is_named_and_the_run_dir_left_as_it_was(workspace,
     assert tree_digest(run) == before
 
 
-def test_a_resumed_run_takes_this_runs_lr_and_schedule(workspace, capsys):
-    # The checkpoint restores the optimizer's and scheduler's hyperparameters; the flags of the
-    # resumed run must win (its note says they changed), from its first step on.
+def test_a_resume_keeps_the_runs_settings_and_names_every_change(workspace, capsys):
+    # The checkpoint restores the optimizer's and scheduler's hyperparameters; the flags given
+    # again must win from the first resumed step on, and the flags not given again (here
+    # --save-every, the schedule's shape, the preset) keep the run's own values.
     run = workspace / "relearn"
-    common = [
-        *TINY,
-        "--cache-dir",
-        str(workspace / "cache"),
-        "--run-dir",
-        str(run),
-        "--warmup",
-        "0",
-        "--decay",
-        "linear",
-        "--min-lr-ratio",
-        "0",
-        "--save-every",
-        "2",
-    ]
-    assert main([*common, "--steps", "4", "--lr", "0.01"]) == 0
-    assert main([*common, "--steps", "6", "--resume", str(run), "--lr", "0.05"]) == 0
-    assert "resuming with changed settings: --lr 0.01 -> 0.05" in capsys.readouterr().out
+    schedule = ["--warmup", "0", "--decay", "linear", "--min-lr-ratio", "0", "--save-every", "2"]
+    first = [*TINY, "--cache-dir", str(workspace / "cache"), "--run-dir", str(run), *schedule]
+    assert main([*first, "--steps", "4", "--lr", "0.01"]) == 0
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--steps", "8", "--lr", "0.05", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    # linear decay to 0 over 8 steps, at 0-based index 4: 0.05 * (1 - 4 / 8); the 4-step run's
+    # schedule had reached 0
+    note = "resuming with changed settings: --steps 4 -> 8, --lr 0.01 -> 0.05, the lr of step 5 is 0.025 (0 "
+    assert note in out, out
     logged = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert list(logged) == list(range(1, 9))
     assert logged[2] == pytest.approx(0.01 * (1 - 1 / 4))
-    for step in (5, 6):  # linear decay to 0 over 6 steps, at 0-based index step - 1
-        assert logged[step] == pytest.approx(0.05 * (1 - (step - 1) / 6)), logged
-    assert json.loads((run / "config.json").read_text())["args"]["lr"] == 0.05
+    for step in range(5, 9):
+        assert logged[step] == pytest.approx(0.05 * (1 - (step - 1) / 8)), logged
+    saved = json.loads((run / "config.json").read_text())["args"]
+    assert (saved["lr"], saved["steps"], saved["save_every"], saved["preset"]) == (0.05, 8, 2, "tiny")
+    steps = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert steps == [f"step_{n:07d}" for n in (2, 4, 6, 8)], "--save-every 2 kept after the resume"

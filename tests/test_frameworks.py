@@ -6,23 +6,36 @@ exactly."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 HERE = os.path.join(os.path.dirname(__file__), "frameworks")
+TIMEOUT_S = 240
+# Where a rank's own account of a failure begins: a Python traceback (a chained one whole) or, for a
+# native abort or the stacks dumped at a timeout, faulthandler's report.
+FAILURE_STARTS = ("Traceback (most recent call last):", "Fatal Python error:")
 
 
 def torchrun(script: str, tmp_path) -> dict:
-    """Run ``script`` on 2 ranks; its exit status must be 0 (a clean teardown and exit)."""
-    out = str(tmp_path / "result.pt")
+    """Run ``script`` on 2 ranks; its exit status must be 0 (a clean teardown and exit).
+
+    Each rank writes to its own log (torchrun ``--redirects``); a failure shows torchrun's account
+    (which ranks failed, their exit codes or signals, the first one) and each rank's last traceback
+    or faulthandler report. The ranks of a job past ``TIMEOUT_S`` get SIGABRT, so that each prints
+    its threads' Python stacks, then SIGKILL: none is left running."""
+    out = tmp_path / "result.pt"
+    logs = tmp_path / "logs"
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONFAULTHANDLER": "1",  # a native abort (or the SIGABRT of a timeout) prints the Python stacks
     }
     command = [
         sys.executable,
@@ -31,14 +44,79 @@ def torchrun(script: str, tmp_path) -> dict:
         "--standalone",
         "--nproc-per-node",
         "2",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
         os.path.join(HERE, script),
-        out,
+        str(out),
     ]
-    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, (
-        f"{script} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    job = subprocess.Popen(
+        command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    try:
+        _, stderr = job.communicate(timeout=TIMEOUT_S)
+        failure = f"{script} exited {job.returncode}" if job.returncode else None
+    except subprocess.TimeoutExpired:
+        failure = f"{script} still running after {TIMEOUT_S} s (SIGABRT: the stacks below are where it was)"
+        ranks = children(job.pid)  # each in a session of its own: killing torchrun would leave them running
+        signal_all(ranks, signal.SIGABRT)  # faulthandler prints the stacks, torchrun reports the ranks
+        try:
+            _, stderr = job.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            _, stderr = job.communicate()
+        signal_all(ranks, signal.SIGKILL)
+    if failure:
+        raise AssertionError(f"{failure}\n{failure_report(stderr, logs)}")
     return torch.load(out, weights_only=False)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux: read from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # ended already
+            pass
+
+
+def failure_report(torchrun_stderr: str, logs: Path) -> str:
+    """torchrun's summary of the failed ranks, then each rank's stderr from its traceback or
+    faulthandler report on (the last lines where it has neither)."""
+    start = torchrun_stderr.rfind("Failures:")
+    if start >= 0:
+        wanted = ("Failures:", "Root Cause", "rank ", "exitcode", "Signal")
+        lines = torchrun_stderr[start:].splitlines()
+        parts = ["torchrun:\n" + "\n".join(line for line in lines if any(w in line for w in wanted))]
+    else:
+        parts = ["torchrun's stderr (end):\n" + torchrun_stderr[-3000:]]
+    for stderr_log in sorted(logs.glob("*/attempt_*/*/stderr.log")):
+        rank = stderr_log.parent.name
+        text = stderr_log.read_text(errors="replace")
+        starts = [i for i in (text.find(s) for s in FAILURE_STARTS) if i >= 0]
+        excerpt = text[text.rfind("\n", 0, min(starts)) + 1 :] if starts else text[-1500:] or "(empty)"
+        if len(excerpt) > 6000:
+            excerpt = "...\n" + excerpt[-6000:]
+        parts.append(f"--- rank {rank} stderr{'' if starts else ' (end)'} ---\n{excerpt}")
+        stdout = (stderr_log.parent / "stdout.log").read_text(errors="replace")
+        if stdout.strip() and not starts:
+            parts.append(f"--- rank {rank} stdout (end) ---\n{stdout[-1000:]}")
+    if len(parts) == 1:
+        parts.append(f"(no rank logs under {logs})")
+    return "\n".join(parts)
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -76,6 +76,22 @@ def processes_of(run: Path) -> list[int]:
     return found
 
 
+@pytest.fixture(autouse=True)
+def no_job_left(tmp_path):
+    """A test that fails midway leaves no recipe process running (torchrun's workers have
+    sessions of their own)."""
+    yield
+    kill(processes_of(tmp_path))
+
+
+def kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # ended meanwhile
+            pass
+
+
 def only_torchruns_report(out: str, status: int) -> None:
     """torchrun's failure report follows (with its own traceback, ChildFailedError), naming the
     workers' status; no worker printed a traceback."""
@@ -103,8 +119,7 @@ def test_a_second_job_is_refused_while_orphans_train_and_takes_over_once_they_ar
         )
         assert out == message
     finally:
-        for pid in processes_of(run):
-            os.kill(pid, signal.SIGKILL)
+        kill(processes_of(run))
     while processes_of(run):
         time.sleep(0.05)
     done = checkpoint.step_of(checkpoint.latest(run))
@@ -201,11 +216,12 @@ def test_a_failed_save_is_one_line_on_every_rank_and_the_run_resumes(tmp_path, c
         "OSError: [Errno 27] File too large (rank 0)"
     ], out
     only_torchruns_report(out, status=1)
-    assert steps_logged(run) == [1, 2, 3] and not (run / "checkpoints/step_0000003/.metadata").exists()
+    assert steps_logged(run) == [1, 2, 3], out
+    assert not (run / "checkpoints/step_0000003/.metadata").exists(), out
     resumed = launch(run, cache, "--resume", "auto", "--save-every", "0")
-    out = resumed.communicate(timeout=120)[0]
-    assert resumed.returncode == 0 and "removing incomplete checkpoint" in out, out
-    assert steps_logged(run) == [1, 2, 3, 4, 5, 6]
+    again = resumed.communicate(timeout=120)[0]
+    assert resumed.returncode == 0 and "removing incomplete checkpoint" in again, out + again
+    assert steps_logged(run) == [1, 2, 3, 4, 5, 6], out + again
 
 
 def test_a_failed_metrics_write_stops_every_rank_at_the_next_step(tmp_path, cache):

@@ -252,9 +252,8 @@ def check_corpus(corpus: Corpus, cfg: ModelConfig, args: argparse.Namespace, wor
                 f"{cfg.vocab_size} (preset {args.preset}); pass --vocab-size {largest + 1} or more"
             )
     windows = max(1, args.batch_size // world_size) * args.val_batches * world_size
-    if (
-        len(corpus.val) < windows + cfg.seq_len
-    ):  # validation_batches spaces its windows a token apart at least
+    # validation_batches spaces its windows a token apart at least
+    if len(corpus.val) < windows + cfg.seq_len:
         raise UsageError(
             f"validation data {corpus.val_source}: {len(corpus.val)} tokens are too few for "
             f"{windows} windows of {cfg.seq_len + 1} (--val-batches {args.val_batches}); "

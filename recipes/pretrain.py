@@ -309,7 +309,7 @@ def save(args, directory: Path, step: int, model, optimizers, schedulers, consol
     """A checkpoint of ``step``, keeping --keep-last of them: the oldest go before the save when
     the disk lacks room for one more, else after it. A failed save raises CheckpointError."""
     path = checkpoint.step_dir(directory, step)
-    for old in (files.do(checkpoint.make_room, directory, args.keep_last) or []) if args.keep_last else []:
+    for old in files.do(checkpoint.make_room, directory, args.keep_last) or []:
         console.say(
             f"deleted checkpoint {old} first (--keep-last {args.keep_last}: the disk is short of room)"
         )

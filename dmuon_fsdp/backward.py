@@ -11,14 +11,15 @@ says which, whatever this rank holds of them), and every earlier bucket started,
 exchange to the owners is launched, on a side stream on accelerators, which the end of backward
 waits for. A hook never waits for anything.
 
-``run`` (at ``step``) starts the rest (the last bucket always: its exchange carries the check
-flags, made from the final gradients), then, as a plain step does, finishes every bucket
-(Newton-Schulz by the owners, the exchange back), reads the verdict, commits and applies. The
-exchanges run on a process group of their own (``comm.backward_group``) in the same order on
-every rank (to the owners in bucket order, then back), whenever a rank's hooks or its ``step``
-launch them, and never among FSDP2's collectives. Newton-Schulz stays at ``step``, where every
-rank runs its share of all buckets at once: docs/design.md ("Steps begun in backward") gives
-the measurements behind that.
+Only the buckets before the carrier of the check flags start so (the carrier is the first
+bucket of the loop after them: its exchange carries the flags, made from the final gradients;
+``carrier`` in ``dmuon_fsdp.schedule``): they hold the slots of ``dmuon_fsdp.buffers``, which the
+later buckets take over at ``step`` once those are through. ``run`` (at ``step``) runs the same
+bucket loop as a plain step (``dmuon_fsdp.program``, [Note: the bucket loop]), which finds them
+launched. The exchanges run on a process group of their own (``comm.backward_group``) in the
+same order on every rank, whenever a rank's hooks or its ``step`` launch them, and never among
+FSDP2's collectives. Newton-Schulz stays at ``step``, where every rank runs its share of all
+buckets at once: docs/design.md ("Steps begun in backward") gives the measurements behind that.
 
 Gradients that changed after their bucket started (``clip_grad_norm_``, ``GradScaler.unscale_``,
 a second backward accumulating into them) are seen at ``step`` from a hook firing again, the
@@ -41,10 +42,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from dmuon_fsdp import checks, comm
 from dmuon_fsdp.checks import StepKey, Verdict
 from dmuon_fsdp.layouts import local_shard
-from dmuon_fsdp.program import StepProgram, abandon, apply_updates
+from dmuon_fsdp.program import StepProgram, StepRun
 from dmuon_fsdp.stats import StepStats
 
 if TYPE_CHECKING:
@@ -53,21 +53,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class Progress:
-    """How far one step of ``program`` got before ``step``. ``missing[k]``: gradients bucket k
-    needs that have not landed; ``used``: each gradient a started bucket read here, with its
-    version counter then, and ``norms`` their norms (in that order); ``inputs``: the options the
-    NS inputs were made with; ``halted``: a gradient unfit for the program landed (the step
-    explains it), so nothing more starts."""
+    """How far one step got before ``step``: its ``run`` (what was launched) and, for the hooks,
+    ``missing[k]``: gradients bucket k needs that have not landed; ``used``: each gradient a
+    started bucket read here, with its version counter then, and ``norms`` their norms (in that
+    order); ``inputs``: the options the NS inputs were made with; ``halted``: a gradient unfit
+    for the program landed (the step explains it), so nothing more starts."""
 
-    program: StepProgram
-    stats: StepStats
+    run: StepRun
     missing: list[int]
     grads: list[Tensor | None]
     used: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
     norms: list[Tensor] = field(default_factory=list)
-    started: int = 0
-    to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
-    from_owners: list[comm.Handle | None] = field(default_factory=list)
     inputs: tuple | None = None
     stale: bool = False  # a gradient landed again after a started bucket read it
     halted: bool = False
@@ -76,24 +72,18 @@ class Progress:
     @classmethod
     def of(cls, program: StepProgram, timed: bool) -> Progress:
         missing = [len(bucket.needs) for bucket in program.buckets]
-        stats = StepStats(program.found.device, timed=timed)
-        return cls(program, stats, missing, [None] * len(program.entries))
+        run = StepRun(program, StepStats(program.found.device, timed=timed))
+        return cls(run, missing, [None] * len(program.entries))
 
-    def launch_rest(self) -> None:
-        """Launch the exchange to owners of every bucket not started yet."""
-        for k in range(self.started, len(self.program.buckets)):
-            self.to_owners[k] = self.program.launch(k)
-        self.started = len(self.program.buckets)
-
-    def finish(self, k: int, discarded: bool = False) -> None:
-        """Finish bucket ``k`` (``StepProgram.finish``), keeping its exchange back."""
-        self.from_owners.append(self.program.finish(k, self.to_owners.pop(k), self.stats, discarded))
+    @property
+    def program(self) -> StepProgram:
+        return self.run.program
 
     def replaced(self, local: list[Tensor], groups: Sequence[dict[str, Any]]) -> bool:
         """Whether what a started bucket read is seen on the host to differ from the step's
         final gradients and options: a gradient landed again, was replaced or written in place
         (its version counter), or momentum or nesterov changed."""
-        if self.started == 0:
+        if self.run.launched == 0:
             return False
         if self.stale or self.inputs != _input_options(groups):
             return True
@@ -108,10 +98,6 @@ class Progress:
         now = torch._foreach_norm([local[i] for i in self.used], dtype=torch.float32)
         then, now = torch.stack(self.norms).view(torch.int32), torch.stack(now).view(torch.int32)
         return (then != now).any().reshape(1).float()
-
-    def in_flight(self) -> Iterator[comm.Handle | None]:
-        yield from self.to_owners.values()
-        yield from self.from_owners
 
 
 def _input_options(groups: Sequence[dict[str, Any]]) -> tuple:
@@ -163,7 +149,7 @@ class BackwardStart:
             self._program = program
             self._side = _SideStream(program.found.device)
             seen: set[int] = set()
-            for k, bucket in enumerate(program.buckets):
+            for k, bucket in enumerate(program.buckets[: program.carrier]):  # the buckets hooks start
                 self._first_reads.append([i for i in bucket.reads if i not in seen])
                 seen.update(bucket.reads)
                 for i in bucket.needs:
@@ -204,11 +190,12 @@ class BackwardStart:
         self._advance(progress)
 
     def _advance(self, progress: Progress) -> None:
-        """Start every bucket that can start, in bucket order; never the last (``run`` does)."""
-        program = progress.program
-        last = len(program.buckets) - 1
-        while not progress.halted and progress.started < last and progress.missing[progress.started] == 0:
-            k = progress.started
+        """Start every bucket before the carrier that can start, in bucket order."""
+        run = progress.run
+        while (
+            not progress.halted and run.launched < run.program.carrier and progress.missing[run.launched] == 0
+        ):
+            k = run.launched
             if progress.inputs is None:
                 progress.inputs = _input_options(self._groups)
             if not progress.joining and self._side.module is not None:
@@ -216,24 +203,16 @@ class BackwardStart:
                 torch.autograd.Variable._execution_engine.queue_callback(self._side.join)
             read = self._first_reads[k]
             grads = [progress.grads[i] for i in read]
-            with self._side.on(), progress.stats.label("momentum"):
-                program.stages[k].run(progress.grads, self._groups)
-                progress.to_owners[k] = program.launch(k)
-                progress.started += 1
+            with self._side.on(), run.stats.label("momentum"):
+                run.start(k, progress.grads, self._groups)
                 progress.norms += torch._foreach_norm(grads, dtype=torch.float32) if grads else []
             progress.used.update((i, (g, g._version)) for i, g in zip(read, grads))
 
     def _settle(self, progress: Progress | None) -> None:
         """Bring a step that will not be completed to where every rank's is (whatever its hooks
-        started): every exchange launched, as a step would, and waited for; nothing committed."""
-        if progress is None:
-            return
-        progress.launch_rest()
-        for k in range(len(progress.program.buckets)):
-            progress.finish(k, discarded=True)
-        for handle in progress.from_owners:
-            if handle is not None:
-                handle.wait()
+        started; ``StepRun.discard``)."""
+        if progress is not None:
+            progress.run.discard(self._groups)
 
     def run(
         self,
@@ -250,7 +229,7 @@ class BackwardStart:
         if rebound and progress.program.plan is program.plan:
             # Bound anew (same plan, same exchanges) since backward: go on with the new program's
             # buffers, so that every rank launches the same exchanges, and redo from the start.
-            progress.program = program
+            progress.run.program = program
         elif rebound:
             self._settle(progress)
             progress, rebound = None, False
@@ -271,9 +250,9 @@ class BackwardStart:
                     stacklevel=4,
                 )
             progress = Progress.of(program, options.time_phases)
-            progress.stats.redone = True
+            progress.run.stats.redone = True
             verdict = _complete(progress, grads, groups, key, options, bound, False)
-        return verdict, progress.stats
+        return verdict, progress.run.stats
 
 
 def _landed(start: weakref.ref, i: int, param: Tensor) -> None:
@@ -297,35 +276,15 @@ def _complete(
     bound: bool,
     rebound: bool,
 ) -> Verdict:
-    """Start what backward left, finish every bucket, decide, commit and apply. Before the
-    verdict every rank has launched every exchange to owners and the exchanges back of all but
-    the last bucket, so that a step that does not go on leaves the group where every rank's is.
-    ``rebound``: the program was bound anew since backward started the step (redo it)."""
-    program, stats = progress.program, progress.stats
-    stats.started_in_backward = progress.started
-    last = len(program.buckets) - 1
-    local = program.local_grads(grads) if bound and key == program.key else None
-    hyper = checks.hyper_digest(groups) if program.flags is not None else 0
+    """The bucket loop from where backward left it (``StepRun.run``), with this rank's finding
+    of gradients that changed since (``rebound``: the program was bound anew since backward
+    started the step: redo it)."""
+    run = progress.run
+    run.stats.started_in_backward = run.launched
+    local = run.program.local_grads(grads) if bound and key == run.program.key else None
     redo = local is not None and (rebound or progress.replaced(local, groups))
-    with stats.phase("momentum"):
-        changed = progress.rewritten(local) if local is not None and not redo else None
-        if local is not None and not redo:
-            for k in range(progress.started, last + 1):
-                program.stages[k].run(local, groups)
-        indicator = program.write_flags(key, hyper, local, options.nonfinite, redo, changed)
-    progress.launch_rest()
-    for k in range(last):  # a rank that knows it will ask for a redo skips the NS
-        progress.finish(k, discarded=redo)
-    carrier = progress.to_owners[last]
-    expected = program.key.digest ^ hyper
-    verdict = program.verdict(carrier, expected, local, indicator, options, stats, redo, changed)
-    if verdict is not Verdict.GO:
-        return abandon(verdict, progress.in_flight(), stats)
-    program.commit(local, groups, stats)
-    progress.finish(last)
-    apply_updates(program.all_updates, program.all_writes, progress.from_owners, groups, stats)
-    stats.count(**program.counts)
-    return verdict
+    changed = progress.rewritten(local) if local is not None and not redo else None
+    return run.run(local, groups, key, options, redo=redo, changed=changed)
 
 
 def clip_grad_norm_(

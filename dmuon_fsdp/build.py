@@ -20,6 +20,7 @@ from torch import Tensor
 
 from dmuon_fsdp import checks, comm, elementwise, errors, validation
 from dmuon_fsdp.bind import Settings, bind, indexed, wire_group
+from dmuon_fsdp.buffers import SLOTS, Pool
 from dmuon_fsdp.checks import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
 from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
@@ -80,6 +81,7 @@ class ProgramCache:
         self._repeated = False  # the last two steps had one key
         self._agreeing = False  # keys are agreed before each step
         self._steady = 0  # steps since the key last changed
+        self._pool: Pool | None = None  # the buffers every kept program is bound into
 
     @property
     def current(self) -> StepProgram | None:
@@ -93,8 +95,8 @@ class ProgramCache:
 
     @property
     def buffer_bytes(self) -> int:
-        """The bytes of the kept programs' buffers."""
-        return sum(program.buffer_bytes for program in self._bound.values())
+        """The bytes of the buffers the kept programs share (``dmuon_fsdp.buffers``)."""
+        return self._pool.nbytes if self._pool is not None else 0
 
     @property
     def repeated(self) -> bool:
@@ -106,7 +108,7 @@ class ProgramCache:
         """Parameters, groups or meshes changed: plan at the next step."""
         self._plans.clear()
         self._bound.clear()
-        self._key, self._agreeing = None, False
+        self._key, self._agreeing, self._pool = None, False, None
 
     dropped = clear  # after an error every rank raised alike (see the class docstring)
 
@@ -158,16 +160,23 @@ class ProgramCache:
         elif not checked or self._key is None:
             self._use(key)
         program = self.current
-        if program is None or program.moved(params, state):
+        if self._pool is None:
+            self._pool = Pool(settings.device)
+        if program is None or program.generation != self._pool.generation or program.moved(params, state):
             self._bound.pop(self._key, None)
-            del program  # its buffers go before new ones are made
+            del program
             elementwise.restore_state(groups, state)  # state cleared by hand starts afresh
             planned = self._plans.get(self._key)
             if planned is None:
                 while len(self._plans) >= PROGRAMS_KEPT:
                     self._bound.pop(self._plans.popitem(last=False)[0], None)
                 planned = self._plans[self._key] = plan_program(self._key, groups, state, names, settings)
-            program = bind(planned.plan, planned.forms, planned.schedule, self._key, groups, state, settings)
+            generation = self._pool.generation
+            program = bind(
+                planned.plan, planned.forms, planned.schedule, self._key, groups, state, settings, self._pool
+            )
+            if self._pool.generation != generation:  # the pool grew: the others bind anew when used
+                self._bound.clear()
             if checks.stale_layouts(params, state):  # every rank hears of it at the verdict
                 return Ready(program, bound=False, agreement=agreement)  # (not kept: bound to old state)
             self._bound[self._key] = program
@@ -224,7 +233,6 @@ def plan_program(
         settings.bucket_bytes,
         settings.comm_dtype.itemsize,
         param_of,
-        backward_order=settings.in_backward,
     )
     trouble = bool(checks.stale_layouts(_params(groups), state))
     shared = key.flags and site.group is not None
@@ -235,7 +243,7 @@ def plan_program(
         trouble = errors.agree_on_plan(
             trouble,
             key.digest,
-            plan.signature(),
+            plan.signature() ^ settings.in_backward,  # where the flags ride and on which group
             identities,
             site.group,
             settings.device,
@@ -251,5 +259,8 @@ def plan_program(
     flags = FLAG_ELEMENTS if key.flags or settings.in_backward else 0
     normed = frozenset(j for j, form in enumerate(forms) if form.neurons is not None)
     row_stats = RowStats(normed, width=2 if settings.comm_dtype.itemsize == 2 else 1)  # float32 bits
-    schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, settings.in_backward, row_stats)
+    # Steps begun in backward start the buckets before the carrier from hooks, as many as the
+    # slots hold with one to spare for the carrier (see dmuon_fsdp.program, the bucket loop).
+    carrier = min(SLOTS - 1, len(plan.buckets) - 1) if settings.in_backward else 0
+    schedule = rank_schedule(plan, exchange.rank, exchange.peers, flags, max(carrier, 0), row_stats)
     return Planned(plan, tuple(forms), schedule)

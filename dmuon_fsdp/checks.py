@@ -193,8 +193,8 @@ class Flags:
     values: Tensor | None = None
 
     @classmethod
-    def bind(cls, carrier: comm.Exchange, digest: int) -> Flags:
-        """The flags' positions in ``carrier``, with the flags of ``digest`` in every send segment."""
+    def bind(cls, carrier: comm.Exchange) -> Flags:
+        """The flags' positions in ``carrier`` (written at each step: binding writes nothing)."""
         device = carrier.send.device
 
         def heads(counts: list[int]) -> Tensor:
@@ -205,9 +205,7 @@ class Flags:
         slot = {
             name: send[:, i].contiguous() for name, i in (("nonfinite", NONFINITE_SLOT), ("redo", REDO_SLOT))
         }
-        flags = cls(send, heads(carrier.receive_counts), slot["nonfinite"], slot["redo"], carrier.send.dtype)
-        carrier.send.index_put_((flags.send,), flags.values_for(digest))
-        return flags
+        return cls(send, heads(carrier.receive_counts), slot["nonfinite"], slot["redo"], carrier.send.dtype)
 
     def values_for(self, digest: int) -> Tensor:
         """This rank's flags for ``digest`` with nothing wrong here (the last ones, when unchanged)."""

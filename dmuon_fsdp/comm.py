@@ -11,6 +11,7 @@ worker thread has let go of them (``settle``), so that no release is left for in
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,12 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 @dataclass
 class Handle:
-    """A collective in flight on ``buffers`` (held here, so they outlive it; the collective
-    itself got fresh views of them, see ``settle``). ``references``: their storages' reference
-    counts without those views."""
+    """A collective in flight on ``buffers`` (held here, so they outlive it). The collective got
+    ``views`` of them made for it alone; ``references`` are their Python reference counts
+    before it took them (see ``settle``)."""
 
     buffers: tuple[Tensor, ...]
     work: dist.Work | None
+    views: tuple[Tensor, ...]
     references: tuple[int, ...]
 
     def wait(self) -> Tensor:
@@ -37,36 +39,42 @@ class Handle:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            settle(self.buffers, self.references)
+            settle(self.views, self.references)
+            self.views = ()
         return self.buffers[-1]
 
 
 _RELEASE_TIMEOUT_S = 10.0  # a worker that keeps the views longer is left to release them later
 
 
-def _references(buffers: tuple[Tensor, ...]) -> tuple[int, ...]:
-    return tuple(torch._C._storage_Use_Count(b.untyped_storage()._cdata) for b in buffers)
-
-
-def settle(buffers: tuple[Tensor, ...], references: tuple[int, ...]) -> None:
-    """After a completed collective on CPU (gloo), wait until its worker thread has dropped its
-    views of ``buffers``. It drops them whenever it next runs; if that is after the interpreter
+def settle(views: tuple[Tensor, ...], references: tuple[int, ...]) -> None:
+    """After a completed collective on CPU (gloo), wait until its worker thread has dropped the
+    ``views`` it was given. It drops them whenever it next runs; if that is after the interpreter
     began finalizing (a job whose last collective was this one), the release needs the GIL,
     CPython ends the thread instead, the unwind meets a noexcept destructor and the process
-    aborts ("terminate called without an active exception"). Accelerator backends release work
-    on their own schedule (waiting would stall the host); their views are left to them."""
-    if not buffers or buffers[0].device.type != "cpu":
+    aborts ("terminate called without an active exception"). While C++ holds a tensor that has
+    a Python object, that object counts one reference more, which the release takes back: so
+    the views' own reference counts tell when the worker is done with them, whatever other views
+    of the same memory come and go meanwhile (buffers of a pool shared by several programs).
+    The views themselves are dropped afterwards, here. Accelerator backends release work on
+    their own schedule (waiting would stall the host); their views are left to them."""
+    if not views or views[0].device.type != "cpu":
         return
     deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-    while _references(buffers) > references and time.monotonic() < deadline:
+    while _references(views) != references and time.monotonic() < deadline:
         time.sleep(0)  # lets the worker thread take the GIL it needs for the release
+
+
+def _references(views: tuple[Tensor, ...]) -> tuple[int, ...]:
+    return tuple(sys.getrefcount(v) for v in views)
 
 
 def _start(collective, buffers: tuple[Tensor, ...], *args: Any, **kwargs: Any) -> Handle:
     """``collective(*views of buffers, *args, async_op=True, **kwargs)`` as a Handle."""
-    references = _references(buffers)
-    work = collective(*(b.view(b.shape) for b in buffers), *args, async_op=True, **kwargs)
-    return Handle(buffers, work, references)
+    views = tuple(b.view(b.shape) for b in buffers)
+    references = _references(views)
+    work = collective(*views, *args, async_op=True, **kwargs)
+    return Handle(buffers, work, views, references)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ over all owned matrices at once).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,26 +110,28 @@ class NeuronNorm:
 
 @dataclass(frozen=True)
 class BoundNeurons:
-    """NorMuon bound to one bucket's owned matrices: its ``norm``, each matrix's second moments
-    and factors (``rows[j]``, float32 views), and the bytes of its buffers."""
+    """NorMuon bound to one bucket's owned matrices: its ``norm`` and each matrix's second
+    moments and factors (``rows[j]``, float32 views)."""
 
     norm: NeuronNorm
     rows: dict[int, tuple[Tensor, Tensor]]
-    nbytes: int
 
 
 Normed = tuple[Tensor, dict[int, tuple[int, int]], tuple[float, float]]
 
 
-def bind_neurons(normed: list[Normed], ns_dtype: torch.dtype, device: torch.device) -> BoundNeurons | None:
-    """Buffers and views for NorMuon on the batches ``normed``: (stack, {matrix: (rows, cols)} in
-    stack order, wide ones first, (beta2, eps)); None when there are none. The rows' norms are
-    kept in float32 (float64 for a float64 stack), the second moments and factors in float32."""
+def bind_neurons(
+    normed: list[Normed], ns_dtype: torch.dtype, take: Callable[..., Tensor]
+) -> BoundNeurons | None:
+    """Buffers (``take(numel, dtype)``) and views for NorMuon on the batches ``normed``: (stack,
+    {matrix: (rows, cols)} in stack order, wide ones first, (beta2, eps)); None when there are
+    none. The rows' norms are kept in float32 (float64 for a float64 stack), the second moments
+    and factors in float32."""
     total = sum(rows for _, shapes, _ in normed for rows, _ in shapes.values())
     if not total:
         return None
     dtypes = (torch.promote_types(ns_dtype, torch.float32), torch.float32, torch.float32)
-    flats = [torch.zeros(total, dtype=dtype, device=device) for dtype in dtypes]
+    flats = [take(total, dtype) for dtype in dtypes]
     norms, lists, owned, offset = (
         [],
         {k: [] for k in ("rows", "v", "factors", "betas", "weights", "eps")},
@@ -151,5 +154,4 @@ def bind_neurons(normed: list[Normed], ns_dtype: torch.dtype, device: torch.devi
             lists["eps"].append(eps)
             owned[j] = lists["v"][-1], lists["factors"][-1]
             offset += rows
-    nbytes = sum(t.numel() * t.element_size() for t in flats)
-    return BoundNeurons(NeuronNorm(tuple(norms), **lists), owned, nbytes)
+    return BoundNeurons(NeuronNorm(tuple(norms), **lists), owned)

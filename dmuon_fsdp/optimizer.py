@@ -21,6 +21,7 @@ from dmuon_fsdp.elementwise import initial_state, restore_state
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
 from dmuon_fsdp.param_groups import routing
 from dmuon_fsdp.planner import Plan
+from dmuon_fsdp.program import StepRun
 from dmuon_fsdp.stats import StepStats
 from dmuon_fsdp.validation import Option, Options
 
@@ -285,8 +286,9 @@ class DMuonFSDP(Optimizer):
         if program.in_backward:
             verdict, stats = self._backward.run(program, grads, groups, key, options, ready.bound)
         else:
-            stats = StepStats(settings.device, timed=options.time_phases)
-            verdict = program.run(grads, groups, key, options, stats, ready.bound, ready.agreement)
+            run = StepRun(program, StepStats(settings.device, timed=options.time_phases))
+            local = program.local_grads(grads) if ready.bound and key == program.key else None
+            verdict, stats = run.run(local, groups, key, options, ready.agreement), run.stats
         stats.buffer_bytes = self._programs.buffer_bytes
         self.last_step_stats = stats
         if verdict is Verdict.EXPLAIN:  # every rank raises the same error

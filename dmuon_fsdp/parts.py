@@ -91,13 +91,19 @@ class Updates:
 
 @dataclass(frozen=True)
 class BucketProgram:
+    """One bucket bound to its slot's buffers (see ``dmuon_fsdp.buffers``), in the order a step
+    runs it: ``stage`` makes its NS inputs, ``to_owners`` carries them, ``assemble`` stacks what
+    arrived, ``batches`` (and ``neurons``) orthogonalize, ``collect`` fills the way back,
+    ``from_owners`` returns the results, ``updates`` and ``writes`` apply them."""
+
     reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
     needs: tuple[int, ...]  # those of every parameter with a matrix in it, on any rank
+    stage: Stage
     to_owners: comm.Exchange | None
     assemble: Copies  # received pieces (and own ones, when staged) into the stacks
     batches: tuple[Batch, ...]
     neurons: NeuronNorm | None  # NorMuon on the owned matrices of NorMuon's groups
-    collect: Copies  # results into the return buffer (and the local staging)
+    collect: Copies  # results into the return buffer (and own ones into the way back's arena)
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
     writes: Copies  # NorMuon's new second moments into the holders' state
@@ -119,9 +125,9 @@ class NSInputs:
 
 @dataclass(frozen=True)
 class Stage:
-    """The NS inputs made at one time: every one in a plain step; in a step started in backward,
-    those of the parameters whose first bucket is this stage's (made once its gradients landed).
-    ``spread`` copies their scratch copies into place."""
+    """A bucket's NS inputs: written straight where they travel (a parameter whose shard is one
+    piece sent whole), or made whole in scratch copies that ``spread`` copies into place (with
+    NorMuon's second moments of the rows that travel)."""
 
     inputs: tuple[NSInputs, ...]
     spread: Copies

@@ -42,7 +42,6 @@ class Plan:
     buckets: tuple[Bucket, ...]
     world_size: int
     param_of: tuple[int, ...]
-    backward_order: bool = False  # buckets in the order gradients arrive (``build_plan``)
 
     @cached_property
     def senders(self) -> tuple[frozenset[int], ...]:
@@ -58,7 +57,7 @@ class Plan:
         rows of different matrices)."""
         shapes = [(m.name, m.rows, m.cols, m.pieces, m.replicas) for m in self.matrices]
         buckets = [b.matrices for b in self.buckets]
-        return zlib.crc32(repr((shapes, self.costs, self.owners, buckets, self.backward_order)).encode())
+        return zlib.crc32(repr((shapes, self.costs, self.owners, buckets)).encode())
 
     def loads(self) -> list[int]:
         """NS flops assigned to each rank."""
@@ -135,11 +134,11 @@ def assign_owners(
 
     ``allowed[j]``, when given, restricts matrix j's owner to those ranks; matrices allowed on one
     rank only are placed first, so the others are balanced around them. Ties break on matrix
-    index and rank number, so the result depends only on the inputs.
+    index (the later first) and rank number, so the result depends only on the inputs.
     Returns (owner of each matrix, matrix indices in assignment order).
     """
     allowed = allowed or [None] * len(costs)
-    order = sorted(range(len(costs)), key=lambda j: (-costs[j], j))
+    order = sorted(range(len(costs)), key=lambda j: (-costs[j], -j))
     loads = [0] * world_size
     owners = [0] * len(costs)
     heap = [(0, rank) for rank in range(world_size)]  # may hold stale entries; loads is the truth
@@ -165,20 +164,19 @@ def build_plan(
     bucket_bytes: int,
     element_size: int,
     param_of: Sequence[int] | None = None,
-    backward_order: bool = False,
 ) -> Plan:
     """Assign owners by NS cost (``costs[j]``, matrix j's flops) over all matrices and cut them
-    into buckets of bounded bytes.
+    into buckets in which no rank holds or moves more than ``bucket_bytes`` (in elements of
+    ``element_size`` bytes; ``cut_buckets``).
 
     A matrix that some ranks hold whole (a 1-row matrix, an expert of an expert-sharded stack,
     also when replicated) is owned by one of them: nothing is sent to its owner. Buckets follow
-    the assignment order (largest first), so consecutive matrices go to different owners and
-    every bucket spreads NS work over the ranks; while one bucket's NS runs, the next bucket's
-    exchange is in flight. A matrix larger than ``bucket_bytes`` gets a bucket of its own.
-
-    ``backward_order``: buckets follow the order gradients arrive in backward instead, the
-    parameters' reverse order (a parameter's matrices stay together, in their own order), so that
-    each bucket can start as soon as its gradients land; owners are assigned as above.
+    the assignment order (largest first, and among equal costs the later matrix first): each next
+    matrix goes to the least-loaded rank, so a bucket holds about ``bucket_bytes`` of matrices
+    per owner, on every owner, and its NS work is about the same on each; while one bucket's NS
+    runs, the next bucket's exchange is in flight. Among the matrices of one shape (a model's
+    layers), the last layers' come first: their gradients land first in backward, so that the
+    first bucket can start there (``overlap_backward``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -197,20 +195,60 @@ def build_plan(
     allowed = [m.full_holders if 0 < len(m.full_holders) < world_size else None for m in matrices]
     owners, order = assign_owners(costs, world_size, allowed)
     param_of = tuple(param_of) if param_of is not None else tuple(range(len(matrices)))
-    if backward_order:
-        order = sorted(range(len(matrices)), key=lambda j: (-param_of[j], j))
+    buckets = cut_buckets(matrices, owners, order, max(1, bucket_bytes // element_size))
+    return Plan(tuple(matrices), tuple(costs), tuple(owners), buckets, world_size, param_of)
+
+
+def bucket_shares(m: MatrixLayout, owner: int) -> list[tuple[int, int, int]]:
+    """What matrix ``m``, owned by ``owner``, adds to the ranks' shares of a bucket, as (one of
+    ``SHARES``, rank, elements): the whole matrix in its owner's stack, each sender's piece in
+    the exchange to the owner, and every other holder's piece in the exchange back (sent by the
+    owner, received by the holder)."""
+    mine, returned = m.replica(owner), 0
+    out = [(HELD, owner, m.numel)]
+    for r, piece in enumerate(m.pieces):
+        if r != owner and piece.numel:
+            if m.replica(r) == mine:
+                out.append((SENT, r, piece.numel))
+            out.append((RECEIVED, r, piece.numel))
+            returned += piece.numel
+    if returned:
+        out.append((RETURNED, owner, returned))
+    return out
+
+
+HELD, SENT, RETURNED, RECEIVED = range(4)
+SHARES = ("held", "sent to owners", "sent back", "received back")  # what a rank holds or moves
+
+
+def cut_buckets(
+    matrices: Sequence[MatrixLayout], owners: Sequence[int], order: Sequence[int], limit: int
+) -> tuple[Bucket, ...]:
+    """Cut ``order`` into consecutive buckets in which no rank holds whole matrices of more than
+    ``limit`` elements (its stacks; what it receives is part of them), nor sends or receives more
+    than ``limit`` in either exchange; a bucket holding a matrix larger than ``limit`` allows that
+    matrix's size instead (so that such matrices still spread over the owners: one each). A
+    matrix joins the current bucket unless it would take some rank's share, not empty yet, past
+    the bucket's allowance; then the bucket closes and the matrix starts the next one."""
+    world = len(matrices[0].pieces) if matrices else 0
+    shares = [[0] * world for _ in SHARES]
     buckets: list[Bucket] = []
     current: list[int] = []
-    current_bytes = 0
+    touched: list[tuple[int, int, int]] = []
+    allowance = limit
     for j in order:
-        size = matrices[j].numel * element_size
-        if current and current_bytes + size > bucket_bytes:
+        added = bucket_shares(matrices[j], owners[j])
+        grown = max(allowance, matrices[j].numel)
+        if current and any(shares[w][r] and shares[w][r] + n > grown for w, r, n in added):
             buckets.append(Bucket(tuple(current)))
-            current, current_bytes = [], 0
+            for w, r, _ in touched:
+                shares[w][r] = 0
+            current, touched, grown = [], [], max(limit, matrices[j].numel)
         current.append(j)
-        current_bytes += size
+        touched += added
+        allowance = grown
+        for w, r, n in added:
+            shares[w][r] += n
     if current:
         buckets.append(Bucket(tuple(current)))
-    return Plan(
-        tuple(matrices), tuple(costs), tuple(owners), tuple(buckets), world_size, param_of, backward_order
-    )
+    return tuple(buckets)

@@ -1,38 +1,49 @@
-"""The step program and its run: one plan's schedule bound to tensors, executed.
+"""The step program and its run: one plan's schedule bound to tensors, executed bucket by bucket.
 
-``dmuon_fsdp.build`` makes a program once per plan (every buffer and every view); ``run``
-executes a step with it, top to bottom, in these phases (the names ``StepStats`` and a profiler
-trace use):
+``dmuon_fsdp.build`` makes a program once per plan (every view, into the shared pool of
+``dmuon_fsdp.buffers``); ``run`` executes a step with it, top to bottom, in these phases (the
+names ``StepStats`` and a profiler trace use):
 
-- ``momentum``: what each matrix orthogonalizes, written straight into send buffers and own
-  stacks (foreach ops), and this rank's check flags into the first exchange (the last, for
-  steps begun in backward: ``dmuon_fsdp.backward``);
+- ``momentum``: a bucket's NS inputs, written straight into its send buffer and own stacks
+  (foreach ops; the momentum buffers are only read), and this rank's check flags into the
+  exchange that carries them;
 - ``wait``: blocked on an all-to-all; the one carrying the flags brings every rank's, read once
   into the verdict (``dmuon_fsdp.checks``), before anything is committed;
-- ``commit``: momentum buffers and weight decay; ``adamw``: torch's functional AdamW;
+- ``commit``: weight decay after the verdict, the momentum buffers at the end; ``adamw``:
+  torch's functional AdamW;
 - per bucket, ``assemble`` (received pieces into (B, s, l) stacks), ``newton_schulz`` (in place
   per stack) and ``return`` (results into the return buffer, the exchange back launched);
-- ``apply``: p -= lr * scale * O, one foreach add per step size.
+- ``apply``: p -= lr * scale * O, one foreach add per bucket and step size.
 
-A bucket's work is two operations: ``launch`` starts its exchange to the owners, ``finish``
-waits for it, orthogonalizes and starts the exchange back. With ``overlap``, bucket k+1 travels
-while bucket k's Newton-Schulz runs. A steady-state step dispatches a fixed number of ops per
-param group, bucket and NS batch, whatever the number of parameters or ranks.
+[Note: the bucket loop] Every step, plain or begun in backward, runs ``StepRun.run``: for each
+bucket k in order, launch the exchanges to the owners through bucket k + 1 (with ``overlap``;
+else k), and at least through the carrier of the flags; wait for bucket k's pieces; at the
+carrier, read the verdict and commit weight decay and AdamW; apply bucket k - 2 (its way back
+shares bucket k's slot, see [Note: slots]); assemble, orthogonalize and launch the way back.
+Bucket k + 2 takes bucket k's way to the owners only after bucket k's results were collected,
+and bucket k's way back is applied before bucket k + 2 is orthogonalized; so ``SLOTS`` sets of
+buffers serve every bucket. The carrier is bucket 0, or for steps begun in backward the first
+bucket launched at ``step`` (``carrier`` of ``dmuon_fsdp.schedule``): gradients' hooks launch
+the buckets before it, which the loop then finds launched. Exchanges are issued in the same
+order on every rank: to the owners 0, 1, back 0, to 2, back 1, ... A steady-state step
+dispatches a fixed number of ops per param group, bucket and NS batch, whatever the number of
+parameters or ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from dmuon_fsdp import checks, comm, elementwise
+from dmuon_fsdp.buffers import SLOTS
 from dmuon_fsdp.checks import Flags, StepKey, Verdict
 from dmuon_fsdp.layouts import local_shard
-from dmuon_fsdp.parts import AdamWLists, BucketProgram, Copies, Entry, MuonLists, Stage, Updates
+from dmuon_fsdp.parts import AdamWLists, BucketProgram, Entry, MuonLists
 from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.stats import StepStats
 
@@ -43,9 +54,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StepProgram:
     """Everything a step of one plan needs on this rank. ``entries`` are the parameters with a
-    gradient (in optimizer order); ``key`` is the step it was built for. ``flag_bucket``: the
-    bucket whose exchange to owners carries the check flags, the first, or the last in a program
-    whose steps start in backward (``in_backward``, see ``dmuon_fsdp.backward``)."""
+    gradient (in optimizer order); ``key`` is the step it was built for. ``carrier``: the bucket
+    whose exchange to owners carries the check flags (see [Note: the bucket loop]);
+    ``generation``: the pool's when bound (a grown pool makes the program stale)."""
 
     key: StepKey
     plan: Plan
@@ -58,15 +69,12 @@ class StepProgram:
     one: Tensor  # 1.0, the check's scale
     muon: tuple[MuonLists, ...]
     adamw: tuple[AdamWLists, ...]
-    stages: tuple[Stage, ...]  # one, or one per bucket (in_backward)
     buckets: tuple[BucketProgram, ...]
     flags: Flags | None
-    flag_bucket: int
+    carrier: int
     in_backward: bool
-    all_updates: tuple[Updates, ...]  # every bucket's, merged by step size (applied once)
-    all_writes: Copies  # every bucket's
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields
-    buffer_bytes: int  # of the buffers made for it
+    generation: int
 
     def local_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor] | None:
         """This rank's gradient shards in entry order, or None when one is sparse or shaped or
@@ -82,81 +90,6 @@ class StepProgram:
         if [local_shard(params[e.position]).data_ptr() for e in self.entries] != list(self.storage):
             return True
         return any(state.get(p, _NONE).get(key) is not bound for p, key, bound in self.state_slots)
-
-    def run(
-        self,
-        grads: Sequence[Tensor | None],
-        groups: Sequence[dict[str, Any]],
-        key: StepKey,
-        options: Options,
-        stats: StepStats,
-        bound: bool = True,
-        agreement: comm.Handle | None = None,
-    ) -> Verdict:
-        """One step: every phase in order; returns the verdict all ranks share. Nothing is
-        committed unless it is ``GO``. ``bound`` False: the parameters or their state changed
-        layout since the program was bound (the step reports it, on every rank). ``agreement``:
-        on the step key, under way (``checks.key_agreement``), read before the first exchange.
-        A program ``in_backward`` runs through ``dmuon_fsdp.backward`` instead."""
-        if self.in_backward:
-            raise RuntimeError("a program for steps begun in backward runs through dmuon_fsdp.backward")
-        local = self.local_grads(grads) if bound and key == self.key else None
-        hyper = checks.hyper_digest(groups) if self.flags is not None else 0  # every rank's alike?
-        with stats.phase("momentum"):
-            if local is not None:
-                self.stages[0].run(local, groups)
-            indicator = self.write_flags(key, hyper, local, options.nonfinite)
-        if agreement is not None:
-            with stats.phase("wait"):
-                if not checks.agreed(agreement, key.digest):  # every rank's exchanges would differ
-                    return abandon(Verdict.EXPLAIN, (), stats)
-        in_flight = {0: self.launch(0)}
-        if options.overlap and len(self.buckets) > 1:
-            in_flight[1] = self.launch(1)
-        verdict = self.verdict(in_flight[0], self.key.digest ^ hyper, local, indicator, options, stats)
-        if verdict is not Verdict.GO:
-            return abandon(verdict, in_flight.values(), stats)
-        self.commit(local, groups, stats)
-        returns = []
-        for k, bucket in enumerate(self.buckets):
-            ahead = k + 1 if options.overlap else k  # with overlap, bucket k+1 travels during NS of k
-            if ahead < len(self.buckets) and ahead not in in_flight:
-                in_flight[ahead] = self.launch(ahead)
-            returns.append(self.finish(k, in_flight.pop(k), stats))
-            if not options.overlap:
-                apply_updates(bucket.updates, bucket.writes, [returns.pop()], groups, stats)
-        if options.overlap:
-            apply_updates(self.all_updates, self.all_writes, returns, groups, stats)
-        stats.count(**self.counts)
-        return verdict
-
-    def launch(self, k: int) -> comm.Handle | None:
-        """Start bucket ``k``'s exchange to its owners (None: nothing crosses)."""
-        exchange = self.buckets[k].to_owners
-        return comm.launch(exchange) if exchange is not None else None
-
-    def finish(
-        self, k: int, arriving: comm.Handle | None, stats: StepStats, discarded: bool = False
-    ) -> comm.Handle | None:
-        """Wait for bucket ``k``'s pieces, orthogonalize the matrices owned here and start the
-        exchange back from the owners; returns its handle. ``discarded``: the results will not
-        be used (only the exchanges run, so that every rank's stay in step)."""
-        bucket = self.buckets[k]
-        with stats.phase("wait"):
-            wait(arriving)
-        if not discarded:
-            with stats.phase("assemble"):
-                bucket.assemble.run()
-            with stats.phase("newton_schulz"):
-                for batch in bucket.batches:
-                    batch.orthogonalize()
-                    stats.ns_matrices += batch.stack.shape[0]
-                if bucket.neurons is not None:
-                    bucket.neurons.run()
-        with stats.phase("return"):
-            if not discarded:
-                bucket.collect.run()
-            return comm.launch(bucket.from_owners) if bucket.from_owners is not None else None
 
     def write_flags(
         self,
@@ -176,7 +109,7 @@ class StepProgram:
         if nonfinite != "ignore" and local is not None:
             indicator = checks.nonfinite_indicator(local, self.found, self.one)
         if self.flags is not None:
-            send = self.buckets[self.flag_bucket].to_owners.send
+            send = self.buckets[self.carrier].to_owners.send
             if local is None or key != self.key or redo:
                 invalid = key == self.key and local is None
                 found = checks.encode(key.digest ^ hyper, invalid=invalid, redo=redo)
@@ -219,15 +152,15 @@ class StepProgram:
                 summary[checks.REDO_SLOT] = changed.item()
         return checks.decide(summary, expected, options.nonfinite, options.check_grads)
 
-    def commit(self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: StepStats) -> None:
-        """The state changes of the step, after a ``GO``: momentum buffers and decoupled weight
-        decay (``commit``), then torch's functional AdamW (``adamw``)."""
+    def decay(self, groups: Sequence[dict[str, Any]], stats: StepStats) -> None:
+        """Decoupled weight decay of the Muon parameters, after a ``GO`` and before any update."""
         with stats.phase("commit"):
             for lists in self.muon:
                 group = groups[lists.group]
-                torch._foreach_lerp_(lists.buffers, [grads[i] for i in lists.grads], 1.0 - group["momentum"])
                 if group["weight_decay"]:
                     torch._foreach_mul_(lists.params, 1.0 - float(group["lr"]) * group["weight_decay"])
+
+    def adamw_step(self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: StepStats) -> None:
         with stats.phase("adamw"):
             for lists in self.adamw:
                 mine = [grads[i] for i in lists.grads]
@@ -241,6 +174,15 @@ class StepProgram:
                     lists.kernel,
                 )
 
+    def commit_momentum(
+        self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: StepStats
+    ) -> None:
+        """The momentum buffers, once every bucket's NS inputs were made from them."""
+        with stats.phase("commit"):
+            for lists in self.muon:
+                group = groups[lists.group]
+                torch._foreach_lerp_(lists.buffers, [grads[i] for i in lists.grads], 1.0 - group["momentum"])
+
 
 _NONE: dict = {}  # the state of a parameter whose state was removed (``moved`` reports it)
 
@@ -249,26 +191,146 @@ def wait(handle: comm.Handle | None) -> Tensor | None:
     return handle.wait() if handle is not None else None
 
 
-def abandon(verdict: Verdict, in_flight: Iterable[comm.Handle | None], stats: StepStats) -> Verdict:
-    """A step that does not go on: every exchange in flight waited for, nothing committed."""
-    for handle in in_flight:
-        wait(handle)
-    stats.seconds.clear()
-    stats.skipped = verdict is Verdict.SKIP
-    return verdict
+@dataclass
+class StepRun:
+    """One step of ``program`` under way: which buckets' exchanges to the owners are launched,
+    and the exchanges in flight (see [Note: the bucket loop])."""
 
+    program: StepProgram
+    stats: StepStats
+    launched: int = 0
+    to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
+    from_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
 
-def apply_updates(
-    updates: Sequence[Updates],
-    writes: Copies,
-    returns: Sequence[comm.Handle | None],
-    groups: Sequence[dict[str, Any]],
-    stats: StepStats,
-) -> None:
-    with stats.phase("wait"):
-        for handle in returns:
-            wait(handle)
-    with stats.phase("apply"):
-        writes.run()  # NorMuon's new second moments into the state, the rows' factors out
-        for u in updates:
-            u.apply(groups)
+    def start(self, k: int, grads: Sequence[Tensor | None] | None, groups: Sequence[dict[str, Any]]) -> None:
+        """Make bucket ``k``'s NS inputs from ``grads`` (entry order; None: none, its results
+        will not be used) and launch its exchange to the owners; buckets start in order."""
+        if k != self.launched:
+            raise RuntimeError(f"bucket {k} started after {self.launched} of {len(self.program.buckets)}")
+        if grads is not None:
+            self.program.buckets[k].stage.run(grads, groups)
+        exchange = self.program.buckets[k].to_owners
+        self.to_owners[k] = comm.launch(exchange) if exchange is not None else None
+        self.launched += 1
+
+    def run(
+        self,
+        local: list[Tensor] | None,
+        groups: Sequence[dict[str, Any]],
+        key: StepKey,
+        options: Options,
+        agreement: comm.Handle | None = None,
+        redo: bool = False,
+        changed: Tensor | None = None,
+    ) -> Verdict:
+        """The step from where it is (see [Note: the bucket loop]); returns the verdict all ranks
+        share. Nothing is committed unless it is ``GO``. ``local``: this rank's gradients (None
+        when they do not fit the program: the flags say so); ``agreement``: on the step key,
+        under way (``checks.key_agreement``), read before the first exchange; ``redo``, or
+        ``changed`` on the device: this rank's gradients changed after a bucket started in
+        backward (the flags ask every rank to run the step again)."""
+        program, stats = self.program, self.stats
+        n, carrier = len(program.buckets), program.carrier
+        hyper = checks.hyper_digest(groups) if program.flags is not None else 0  # every rank's alike?
+        made = None if redo else local  # a rank that will ask for a redo makes nothing
+        indicator = None
+        verdict = Verdict.GO
+        applied = 0  # buckets whose results were applied
+        for k in range(n):
+            while self.launched <= min(n - 1, max(k + (1 if options.overlap else 0), carrier)):
+                with stats.phase("momentum"):
+                    if made is not None:
+                        program.buckets[self.launched].stage.run(made, groups)
+                    if self.launched == carrier:
+                        indicator = program.write_flags(key, hyper, local, options.nonfinite, redo, changed)
+                if agreement is not None:
+                    with stats.phase("wait"):
+                        if not checks.agreed(agreement, key.digest):  # every rank's exchanges would differ
+                            return self.abandon(Verdict.EXPLAIN)
+                    agreement = None
+                self.start(self.launched, None, groups)
+            if k == carrier:
+                verdict = program.verdict(
+                    self.to_owners[k],
+                    program.key.digest ^ hyper,
+                    local,
+                    indicator,
+                    options,
+                    stats,
+                    redo,
+                    changed,
+                )
+                if verdict is not Verdict.GO:
+                    return self.abandon(verdict)
+                program.decay(groups, stats)
+                program.adamw_step(local, groups, stats)
+            if k >= carrier:  # bucket k - 2's way back is bucket k's: applied first
+                applied = self.apply_through(k - SLOTS, applied, groups)
+            self.finish(k, discarded=made is None)
+            if not options.overlap and k >= carrier:
+                applied = self.apply_through(k, applied, groups)
+        self.apply_through(n - 1, applied, groups)
+        program.commit_momentum(local, groups, stats)
+        stats.count(**program.counts)
+        return verdict
+
+    def finish(self, k: int, discarded: bool = False) -> None:
+        """Wait for bucket ``k``'s pieces, orthogonalize the matrices owned here and start the
+        exchange back from the owners. ``discarded``: the results will not be used (only the
+        exchanges run, so that every rank's stay in step)."""
+        bucket, stats = self.program.buckets[k], self.stats
+        with stats.phase("wait"):
+            wait(self.to_owners.pop(k))
+        if not discarded:
+            with stats.phase("assemble"):
+                bucket.assemble.run()
+            with stats.phase("newton_schulz"):
+                for batch in bucket.batches:
+                    batch.orthogonalize()
+                    stats.ns_matrices += batch.stack.shape[0]
+                if bucket.neurons is not None:
+                    bucket.neurons.run()
+        with stats.phase("return"):
+            if not discarded:
+                bucket.collect.run()
+            exchange = bucket.from_owners
+            self.from_owners[k] = comm.launch(exchange) if exchange is not None else None
+
+    def apply_through(self, last: int, applied: int, groups: Sequence[dict[str, Any]]) -> int:
+        """Wait for the way back of buckets ``applied`` .. ``last`` and apply them; returns how
+        many buckets are applied now."""
+        for k in range(applied, last + 1):
+            bucket, stats = self.program.buckets[k], self.stats
+            with stats.phase("wait"):
+                wait(self.from_owners.pop(k))
+            with stats.phase("apply"):
+                bucket.writes.run()  # NorMuon's new second moments into the state, the rows' factors out
+                for u in bucket.updates:
+                    u.apply(groups)
+        return max(applied, last + 1)
+
+    def abandon(self, verdict: Verdict) -> Verdict:
+        """A step that does not go on: every exchange in flight waited for, nothing committed."""
+        self.settle()
+        self.stats.seconds.clear()
+        self.stats.skipped = verdict is Verdict.SKIP
+        return verdict
+
+    def settle(self) -> None:
+        """Wait for every exchange in flight."""
+        for handles in (self.to_owners, self.from_owners):
+            for handle in handles.values():
+                wait(handle)
+            handles.clear()
+
+    def discard(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Bring a step that will not be completed to where every rank's is, whatever was started:
+        every exchange launched in the loop's order and waited for; nothing made or committed."""
+        n = len(self.program.buckets)
+        for k in range(n):
+            while self.launched <= min(n - 1, max(k + 1, self.program.carrier)):
+                self.start(self.launched, None, groups)
+            self.finish(k, discarded=True)
+            if k >= SLOTS:
+                wait(self.from_owners.pop(k - SLOTS))
+        self.settle()

@@ -91,15 +91,17 @@ class BucketSchedule:
 @dataclass(frozen=True)
 class RankSchedule:
     """Every exchange of a plan seen from plan rank ``rank``; ``peers[g]`` is the plan rank of
-    process-group rank g. One bucket's exchange to owners carries the step's check flags when the job
-    has more than one rank: the first, or the last for a step started in backward (see
-    ``dmuon_fsdp.backward``); a plan without matrices gets one empty bucket for them.
-    ``row_stats``: what of the rows' statistics travels."""
+    process-group rank g. The exchange to owners of bucket ``carrier`` carries the step's check
+    flags when the job has more than one rank: the first bucket's, or for a step started in
+    backward the first one launched at ``step`` (see ``dmuon_fsdp.program``, the bucket loop);
+    a plan without matrices gets one empty bucket for them. ``row_stats``: what of the rows'
+    statistics travels."""
 
     rank: int
     peers: tuple[int, ...]
     buckets: tuple[BucketSchedule, ...]
     row_stats: RowStats = RowStats()
+    carrier: int = 0
 
     def elements(self, sent: bool) -> int:
         """Matrix elements sent to (or received from) other ranks per step (without the flags
@@ -183,21 +185,22 @@ def rank_schedule(
     rank: int,
     peers: Sequence[int],
     flags: int = 0,
-    flags_last: bool = False,
+    carrier: int = 0,
     row_stats: RowStats = RowStats(),
 ) -> RankSchedule:
     """``rank``'s schedule for ``plan`` (see ``RankSchedule``), with ``flags`` check elements per
-    segment of the first exchange (of the last one with ``flags_last``) and the statistics of
-    the rows of the matrices ``row_stats``, checked before it is returned."""
+    segment of bucket ``carrier``'s exchange to the owners and the statistics of the rows of the
+    matrices ``row_stats``, checked before it is returned."""
     peers = tuple(peers)
     if sorted(peers) != list(range(plan.world_size)) or not 0 <= rank < plan.world_size:
         raise ValueError(f"peers {peers} and rank {rank} do not number the plan's {plan.world_size} ranks")
     multi = plan.world_size > 1
     buckets = []
     planned = plan.buckets or (Bucket(()),)
-    flagged = len(planned) - 1 if flags_last else 0
+    if not 0 <= carrier < len(planned):
+        raise ValueError(f"the flags' carrier {carrier} is not one of the plan's {len(planned)} buckets")
     for k, bucket in enumerate(planned):
-        carried = flags if k == flagged and multi else 0
+        carried = flags if k == carrier and multi else 0
         sends, receives = (
             _sends_to_owners(plan, bucket, rank, row_stats),
             _receives_as_owner(plan, bucket, rank, row_stats),
@@ -217,7 +220,7 @@ def rank_schedule(
                 own_results=tuple(returned.get(rank, ())),
             )
         )
-    schedule = RankSchedule(rank, peers, tuple(buckets), row_stats)
+    schedule = RankSchedule(rank, peers, tuple(buckets), row_stats, carrier)
     check(plan, schedule)
     return schedule
 

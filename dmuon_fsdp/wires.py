@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from dmuon_fsdp import comm
+from dmuon_fsdp.buffers import Region
 from dmuon_fsdp.layouts import Piece
 from dmuon_fsdp.schedule import Transfer, Wire
 
@@ -50,10 +51,6 @@ class Wired:
     received: list[Slot]
 
 
-def nbytes(*tensors: Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def piece_of(local: Tensor, piece: Piece) -> Tensor:
     """A rank's piece inside a tensor shaped like its local shard (a view)."""
     return local.view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
@@ -81,18 +78,19 @@ def slots(buffer: Tensor, segments: Sequence[Sequence[Transfer]], flags: int) ->
     return out
 
 
-def staging(transfers: Sequence[Transfer], dtype: torch.dtype, device: torch.device) -> list[Slot]:
-    """A buffer of ``dtype`` holding ``transfers`` (own pieces passing through the wire's dtype)."""
-    return slots(torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=device), [transfers], 0)[0]
+def staging(transfers: Sequence[Transfer], dtype: torch.dtype, region: Region) -> list[Slot]:
+    """A buffer of ``dtype`` from ``region`` holding ``transfers`` (own pieces passing through the
+    wire's dtype)."""
+    return slots(region.take(sum(t.numel for t in transfers), dtype), [transfers], 0)[0]
 
 
-def wired(wire: Wire | None, dtype: torch.dtype, device: torch.device, group: object) -> Wired:
-    """``wire``'s send and receive buffers (zeros) and exchange over ``group``."""
+def wired(wire: Wire | None, dtype: torch.dtype, region: Region, group: object) -> Wired:
+    """``wire``'s send and receive buffers (from ``region``) and exchange over ``group``."""
     if wire is None:
         return Wired(None, [], [])
     buffers = []
     for counts, segments in ((wire.send_counts, wire.send), (wire.receive_counts, wire.receive)):
-        buffer = torch.zeros(sum(counts), dtype=dtype, device=device)
+        buffer = region.take(sum(counts), dtype)
         buffers.append(
             (buffer, [slot for segment in slots(buffer, segments, wire.flags) for slot in segment])
         )

@@ -12,9 +12,10 @@ from torch.distributed.tensor import DTensor
 from dmuon_fsdp import DMuonFSDP
 
 STEPS = 4
-BUCKET = 2**10  # bytes: a bucket per layer or two, so that most start in backward
-# Rows that leave uneven and, at W=4, empty shards (5 -> 2, 2, 1, 0).
-DIMS = (24, 37, 5, 13, 24)
+BUCKET = 2**10  # bytes: four buckets or more at W = 1..4, so that slots are reused
+# Rows that leave uneven and, at W=4, empty shards (5 -> 2, 2, 1, 0); twelve matrices, so that
+# each owner has several and a bucket per owner and slot is not the whole model.
+DIMS = (24, 37, 5, 13) * 3 + (24,)
 
 
 class Stack(nn.Module):

@@ -69,7 +69,7 @@ def test_a_fault_on_one_rank_after_backward_gives_every_rank_the_same_verdict(fa
 def tensor_parallel_in_rank_order(rank, world_size):
     """DTensor parameters outside FSDP: autograd fires the hooks, in another order on each rank."""
     mesh = cpu_mesh()
-    shapes = [(13, 24), (5, 37), (37, 24), (24, 13), (1, 24)]
+    shapes = [(13, 24), (5, 37), (37, 24), (24, 13), (1, 24)] * 2  # several buckets
     calls = []
     original = dist.all_to_all_single
 

@@ -90,14 +90,17 @@ def test_every_segment_matches_the_peer_that_reads_it(kind, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_flags_ride_in_the_last_exchange_of_a_step_begun_in_backward(world):
-    plan = plan_for(row_sharded([(12, 20), (7, 30), (9, 16)], world), world, 200, 4)
+@pytest.mark.parametrize("carrier", [0, 1, 2])
+def test_flags_ride_in_the_carriers_exchange_only(world, carrier):
+    plan = plan_for(row_sharded([(12, 20), (7, 30), (9, 16)] * 2, world), world, 200, 4)
     assert len(plan.buckets) == 3
     for r in range(world):
-        buckets = rank_schedule(plan, r, range(world), FLAG_ELEMENTS, flags_last=True).buckets
+        buckets = rank_schedule(plan, r, range(world), FLAG_ELEMENTS, carrier).buckets
         carried = [k for k, b in enumerate(buckets) if b.to_owners is not None and b.to_owners.flags]
-        assert carried == [len(buckets) - 1]
-        assert buckets[-1].to_owners.flags == FLAG_ELEMENTS
+        assert carried == [carrier]
+        assert buckets[carrier].to_owners.flags == FLAG_ELEMENTS
+    with pytest.raises(ValueError, match="carrier 3"):
+        rank_schedule(plan, 0, range(world), FLAG_ELEMENTS, 3)
 
 
 def test_ddp_sends_nothing_forward_and_a_flags_only_first_exchange():

@@ -287,12 +287,6 @@ def main() -> None:
     )
     parser.add_argument("--bucket-mib", type=int, default=128)
     parser.add_argument(
-        "--bucket-cut",
-        default="total",
-        choices=["total", "per-owner"],
-        help="e2e: --bucket-mib bounds a bucket's total bytes (the planner's) or each owner's in it",
-    )
-    parser.add_argument(
         "--world-sizes",
         type=int,
         nargs="+",

@@ -37,11 +37,13 @@ class Region:
     """Views of one arena, handed out from its start; past its end, meta tensors (the binding
     is then only measured: ``used`` says how much it needed)."""
 
-    def __init__(self, arena: Tensor | None) -> None:
-        self.arena = arena
+    def __init__(self, arena: Tensor | None, device: torch.device) -> None:
+        self.arena, self.device = arena, device
         self.used = 0
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        if not numel:  # a real tensor: an exchange with nothing to move is still a collective
+            return torch.empty(0, dtype=dtype, device=self.device)
         start = -(-self.used // ALIGN) * ALIGN
         self.used = start + numel * dtype.itemsize
         if self.arena is None or self.used > self.arena.numel():
@@ -61,7 +63,7 @@ class Pool:
 
     def regions(self) -> dict[tuple[str, int], Region]:
         """A fresh region per arena (one bucket's binding, or the workspace's)."""
-        return {name: Region(self.arenas.get(name)) for name in arena_names()}
+        return {name: Region(self.arenas.get(name), self.device) for name in arena_names()}
 
     def fits(self, needed: dict[tuple[str, int], int]) -> bool:
         return all(n <= self.size(name) for name, n in needed.items())

@@ -11,17 +11,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp.buffers import SLOTS
 
 # "auto" runs (5, 16), the conv (6, 27) and (8, 40) in the Gram form and (13, 9), (9, 13) in the
 # standard one, so every layout of test_meshes runs both forms; the reference is standard
 # Newton-Schulz.
-OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm="auto")
+# Buckets of 256 bytes a rank: several per step, so that later buckets reuse earlier ones' slots.
+OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm="auto", bucket_bytes=256)
 STEPS = 3
 TOLERANCE = 1e-5
 REFERENCE_OPTIONS = ("lr", "weight_decay", "adjust_lr_fn", "normuon_beta2", "normuon_eps")  # from each group
 
 # (5, 16) leaves an empty shard at 4 ranks; (13, 9) and (9, 13) split unevenly on both mesh dims.
 SHAPES = {"w5": (5, 16), "w13": (13, 9), "w9": (9, 13), "conv": (6, 3, 3, 3), "tall": (40, 8)}
+SHAPES |= {f"{n}_b": s for n, s in SHAPES.items()}  # twice as many: more buckets than slots
 
 
 class Weights(nn.Module):
@@ -87,7 +90,16 @@ def train(model, groups, loss_fn, steps=STEPS, **options):
         for n, p in params.items()
         if muon[p]["variant"] == "normuon"
     }
-    counts = {"ns_matrices": 0, "a2a": 0, "gathers": 0, "sent": 0, "planned": 0, "matrices": 0, "owned": 0}
+    counts = {
+        "ns_matrices": 0,
+        "a2a": 0,
+        "gathers": 0,
+        "sent": 0,
+        "planned": 0,
+        "matrices": 0,
+        "owned": 0,
+        "buckets": 0,
+    }
     for step in range(steps):
         loss_fn(step).backward()
         grads = {n: full(p.grad).double() for n, p in params.items() if p.grad is not None}
@@ -102,6 +114,7 @@ def train(model, groups, loss_fn, steps=STEPS, **options):
         counts["planned"] += plan.elements_moved(opt.exchange_rank) * 4
         counts["matrices"] += len(plan.matrices)
         counts["owned"] += sum(1 for o in plan.owners if o == opt.exchange_rank)
+        counts["buckets"] = max(counts["buckets"], len(plan.buckets))
         for n in grads:
             group = muon[params[n]]
             views = zip(*(matrices(t, group) for t in (ref[n], grads[n], bufs[n])))
@@ -115,10 +128,11 @@ def train(model, groups, loss_fn, steps=STEPS, **options):
     return errors, counts
 
 
-def check(results, min_owners):
+def check(results, min_owners, reuses_slots=True):
     """Every rank's ``train`` results: within ``TOLERANCE`` of the reference, each matrix
     orthogonalized exactly once in the whole job, NS spread over at least ``min_owners`` ranks,
-    no gathers, and the bytes each rank sent equal to its plan's count."""
+    no gathers, and the bytes each rank sent equal to its plan's count; with ``reuses_slots``,
+    more buckets than buffer slots (later buckets reuse earlier ones' buffers)."""
     errors = {n: max(r[0][n] for r in results) for n in results[0][0]}
     print(f"max relative error {max(errors.values()):.2e}")  # shown with pytest -s
     assert max(errors.values()) <= TOLERANCE, errors
@@ -128,4 +142,5 @@ def check(results, min_owners):
     assert sum(1 for c in counts if c["owned"]) >= min_owners
     for c in counts:
         assert c["gathers"] == 0 and c["sent"] == c["planned"]
+    assert not reuses_slots or counts[0]["buckets"] > SLOTS, f"{counts[0]['buckets']} buckets"
     return errors

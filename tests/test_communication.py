@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from instruments import CollectiveCalls, HostReads
-from paired_runs import inputs, sharded
+from paired_runs import DIMS, inputs, sharded
 from spawn import run_ranks
 
 from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp.buffers import SLOTS
 from dmuon_fsdp.checks import FLAG_ELEMENTS
 from dmuon_fsdp.stats import PHASES
 
@@ -183,3 +184,55 @@ def test_a_waited_exchange_leaves_nothing_to_release_at_exit():
     """What keeps a job's exit clean: a release by the worker after interpreter finalization
     began would abort the process (see dmuon_fsdp.comm.settle)."""
     assert run_ranks(released_after_wait, 2) == [0, 0]
+
+
+def released_with_a_shared_arena(rank, world_size):
+    """Exchanges on views of one arena, while other views of it are made and dropped (other
+    programs binding into shared buffers): each wait returns once the worker let go of its
+    views, not after the release timeout, and leaves nothing held. Returns (held, slowest wait)."""
+    import sys
+    import time
+
+    from dmuon_fsdp import comm
+
+    group = comm.exchange_group(range(world_size)).group
+    arena = torch.zeros(64 * world_size)
+    held, slowest = 0, 0.0
+    for trial in range(50):
+        send, receive = arena[: 3 * world_size], arena[32 * world_size : 35 * world_size]
+        send.fill_(float(rank + trial))
+        before = (sys.getrefcount(send), sys.getrefcount(receive))
+        handle = comm.launch(comm.Exchange(send, receive, [3] * world_size, [3] * world_size, group))
+        others = [arena[8 * k : 8 * k + 4] for k in range(10)]  # bound meanwhile
+        del others[::2]
+        start = time.monotonic()
+        handle.wait()
+        slowest = max(slowest, time.monotonic() - start)
+        del handle, others
+        held += (sys.getrefcount(send), sys.getrefcount(receive)) != before
+        assert torch.equal(receive.view(world_size, 3)[:, 0], torch.arange(world_size) + float(trial))
+    return held, slowest
+
+
+def test_a_wait_on_views_of_a_shared_arena_settles_at_once():
+    for held, slowest in run_ranks(released_with_a_shared_arena, 2):
+        assert held == 0 and slowest < 1.0, (held, slowest)
+
+
+def buffers_by_depth(rank, world_size):
+    """The buffer bytes of a plain step for the twelve-matrix stack and one four times deeper,
+    at the same bucket_bytes."""
+    out = []
+    for repeat in (1, 4):
+        model = sharded(dims=DIMS[:-1] * repeat + DIMS[-1:])
+        opt = DMuonFSDP(model.parameters(), ns_dtype=torch.float32, bucket_bytes=2**10)
+        model(inputs(0)).pow(2).sum().backward()
+        opt.step()
+        out.append((opt.last_step_stats.buffer_bytes, len(opt.plan.buckets)))
+    return out
+
+
+def test_buffers_do_not_grow_with_the_depth_of_the_model():
+    for (shallow, buckets), (deep, deep_buckets) in run_ranks(buffers_by_depth, 2):
+        assert deep_buckets > 2 * buckets > 2 * SLOTS
+        assert deep <= 1.5 * shallow, (deep, shallow)

@@ -121,7 +121,7 @@ def test_fsdp_tp_2d_mesh_row_and_column_wise(hidden):
         "Shard",
     )
     assert placements["head.weight"] == ("Shard",)
-    check([r[:2] for r in results], min_owners=3)
+    check([r[:2] for r in results], min_owners=3, reuses_slots=False)
 
 
 def experts(rank, world_size, dim):
@@ -139,7 +139,7 @@ def experts(rank, world_size, dim):
 
 @pytest.mark.parametrize("dim", [0, 1, 2])
 def test_expert_stacks_sharded_on_experts_rows_or_columns(dim):
-    check(run_ranks(experts, 4, dim), min_owners=3)
+    check(run_ranks(experts, 4, dim), min_owners=3, reuses_slots=False)
 
 
 def pipeline_stages(rank, world_size):
@@ -164,7 +164,7 @@ def pipeline_stages(rank, world_size):
 def test_pipeline_stage_submeshes_exchange_within_their_stage():
     results = run_ranks(pipeline_stages, 4, timeout=120, pg_timeout=30)
     for stage in (0, 1):
-        check([r[:2] for r in results if r[2] == stage], min_owners=2)
+        check([r[:2] for r in results if r[2] == stage], min_owners=2, reuses_slots=False)
     assert all(r[3] == 4 for r in results)
 
 

@@ -61,7 +61,7 @@ def layouts(rank, world_size, layout):
 
 @pytest.mark.parametrize("layout,world_size", [("hsdp", 4), ("ddp", 3), ("fsdp_tp", 4)])
 def test_hsdp_ddp_and_fsdp_tp(layout, world_size):
-    check(run_ranks(layouts, world_size, layout), min_owners=2)
+    check(run_ranks(layouts, world_size, layout), min_owners=2, reuses_slots=layout != "fsdp_tp")
 
 
 def blocks_and_mixed_groups(rank, world_size):

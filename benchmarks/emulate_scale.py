@@ -1,0 +1,328 @@
+"""DMuonFSDP's step at the scale it is for, on two CPU cores: W ranks that emulate GPUs.
+
+Two cores cannot run W ranks of Newton-Schulz at once and loopback hides the network, so each of
+the W spawned ranks (gloo, one thread) runs DMuonFSDP on Llama-3-8B-shaped layers shrunk by
+``--scale`` S in every dimension (dim 4096/S, kv 1024/S, MLP 14336/S; real data, real exchanges,
+exact results) while:
+
+- each rank has an emulated device that runs, like a GPU stream and asynchronously to the host,
+  every matmul inside ``step()`` (mm, bmm, addmm, baddbmm, ``.out`` forms included) for its flops
+  counted as if every dimension were S times larger (x S^3) at ``--tflops``; elementwise work
+  and host work run for real (on a GPU both are small beside these matrices' Newton-Schulz);
+- every all-to-all crosses one link shared by all exchanges at ``--link-gbs``: it starts once
+  every rank's device has reached it (its data is ready) and the exchange launched before it
+  has ended, and lasts the busiest rank's larger of bytes sent and received (x S^2, own segment
+  aside); the device's later work waits for it (a table in shared memory; ``CLOCK_MONOTONIC`` is
+  shared by the processes);
+- a step ends when its rank's device is through (the host sleeps until then).
+
+The device and the link run ``--dilation`` times slower than stated and the times measured are
+divided by it: W ranks share two cores, and their real host work (Python, dispatch, the small
+real matrices), which on GPUs would run on W hosts beside the device, must stay small beside
+the emulated times (at 400 TFLOP/s undilated, host work alone took 133 ms of a 8-bucket step at
+W=8 whose NS floor is 104 ms).
+
+``bucket_bytes`` is scaled alike (/ S^2), so buckets hold what they would at full size. Reported
+per world size, medians over ``--steps`` timed steps after warm-up, contenders in turns:
+
+- the default step (128 MiB buckets) and the step with every matrix in one bucket, over the NS
+  floor (total NS flops / W / rate, each matrix in the form it runs) and against each other;
+- ``StepStats.buffer_bytes`` of rank 0 for the model and one ``--deeper`` times deeper;
+- with ``--before REV``, the same for the package as it was at git revision REV (its
+  ``dmuon_fsdp`` exported to a temporary folder and imported from there by the ranks).
+
+    python -m benchmarks.emulate_scale --before 552dc0a      # W = 8 and 16, ~6 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+LLAMA3_8B = (4096, 1024, 14336)  # dim, kv dim, MLP width
+DEFAULT_BUCKET = 128 * 2**20
+ONE_BUCKET = 2**62
+MAX_EXCHANGES = 4096
+_aten = torch.ops.aten
+MATMULS = {
+    _aten.mm.default,
+    _aten.mm.out,
+    _aten.bmm.default,
+    _aten.bmm.out,
+    _aten.addmm.default,
+    _aten.addmm.out,
+    _aten.baddbmm.default,
+    _aten.baddbmm.out,
+}
+
+
+def layer_shapes(scale: int) -> list[tuple[int, int]]:
+    """q, k, v, o, gate, up, down of one Llama-3-8B layer, each dimension / ``scale``."""
+    dim, kv, ffn = (n // scale for n in LLAMA3_8B)
+    return [(dim, dim), (kv, dim), (kv, dim), (dim, dim), (ffn, dim), (ffn, dim), (dim, ffn)]
+
+
+def matmul_flops(func, args) -> int:
+    """2 x multiply-adds of one matmul call (the batch included)."""
+    if func in (_aten.mm.default, _aten.mm.out):
+        a, b = args[0], args[1]
+    elif func in (_aten.bmm.default, _aten.bmm.out):
+        a, b = args[0], args[1]
+    else:  # addmm / baddbmm: (input, a, b)
+        a, b = args[1], args[2]
+    batch = a.shape[0] if a.ndim == 3 else 1
+    return 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+class EmulatedDevice(TorchDispatchMode):
+    """A device that runs each matmul for its flops x ``scale``^3 at ``rate`` flop/s, in launch
+    order, asynchronously like a GPU stream: ``busy_until`` is when it is through what was
+    launched (never before the host launched it); elementwise work is not charged."""
+
+    def __init__(self, rate: float, scale: int) -> None:
+        super().__init__()
+        self.rate, self.cube = rate, scale**3
+        self.busy_until = 0.0
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in MATMULS:
+            flops = matmul_flops(func, args) * self.cube
+            self.flops += flops
+            self.busy_until = max(self.busy_until, time.monotonic()) + flops / self.rate
+        return out
+
+    def synchronize(self) -> None:
+        left = self.busy_until - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+
+
+class PacedLink:
+    """``dist.all_to_all_single`` paced on one shared link (see the module docstring), in stream
+    order with ``device``: an exchange starts once every rank's device reached it and the one
+    before it ended, lasts the busiest rank's bytes / ``bandwidth``, and the device's later work
+    waits for it. ``table`` (shared by the ranks) holds, per exchange in launch order, each rank's
+    bytes and ready time."""
+
+    def __init__(self, table: torch.Tensor, rank: int, scale: int, bandwidth: float, device) -> None:
+        self.table, self.rank, self.device = table, rank, device
+        self.square, self.bandwidth = scale**2, bandwidth
+        self.launched = 0
+        self.ends: list[float] = []
+        self.real = dist.all_to_all_single
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        n = self.launched
+        self.launched += 1
+        me = dist.get_rank(kw.get("group"))
+        sent = sum(input_split_sizes) - input_split_sizes[me]
+        received = sum(output_split_sizes) - output_split_sizes[me]
+        self.table[n, self.rank, 0] = max(sent, received) * input.element_size() * self.square
+        self.table[n, self.rank, 1] = max(time.monotonic(), self.device.busy_until)
+        work = self.real(output, input, output_split_sizes, input_split_sizes, **kw)
+        return _PacedWork(work, self, n)
+
+    def end(self, n: int) -> float:
+        """When exchange ``n`` leaves the link (every exchange before it is complete in the table)."""
+        while len(self.ends) <= n:
+            k = len(self.ends)
+            ready = max(self.ends[-1] if self.ends else 0.0, float(self.table[k, :, 1].max()))
+            self.ends.append(ready + float(self.table[k, :, 0].max()) / self.bandwidth)
+        return self.ends[n]
+
+
+class _PacedWork:
+    def __init__(self, work, link: PacedLink, n: int) -> None:
+        self.work, self.link, self.n = work, link, n
+
+    def wait(self, *args, **kwargs):
+        result = self.work.wait(*args, **kwargs)  # every rank launched it: the table row is complete
+        device = self.link.device
+        device.busy_until = max(device.busy_until, self.link.end(self.n))  # a stream wait
+        return result
+
+
+def make_params(layers: int, scale: int, mesh) -> list[torch.nn.Parameter]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = layer_shapes(scale) * layers
+    return [
+        torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen) * 0.02, mesh, [Shard(0)]))
+        for s in shapes
+    ]
+
+
+def set_grads(params, step: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator().manual_seed(1000 + step + dist.get_rank())
+    for p in params:
+        local = torch.randn(p.to_local().shape, generator=gen)
+        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def rank_main(
+    rank: int, world: int, port: int, package: str | None, bucket: int, args, table, out: str
+) -> None:
+    if package is not None:
+        sys.path.insert(0, package)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon_fsdp
+    from dmuon_fsdp import DMuonFSDP
+
+    mesh = init_device_mesh("cpu", (world,))
+    device = EmulatedDevice(args.tflops * 1e12 / args.dilation, args.scale)
+    link = PacedLink(table, rank, args.scale, args.link_gbs * 1e9 / args.dilation, device)
+    dist.all_to_all_single = link.all_to_all_single  # the package calls it through the module
+    result: dict = {"package": str(Path(dmuon_fsdp.__file__).parent)}
+    scaled = max(1, bucket // args.scale**2)
+    options = dict(lr=0.02, ns_dtype=torch.bfloat16, comm_dtype=torch.bfloat16, bucket_bytes=scaled)
+    params = make_params(args.layers, args.scale, mesh)
+    opt = DMuonFSDP(params, **options)
+    starts, ends = [], []
+    for step in range(args.warmup + args.steps):
+        set_grads(params, step)
+        dist.barrier()
+        device.busy_until, device.flops = 0.0, 0
+        start = time.monotonic()
+        with device:
+            opt.step()
+        device.synchronize()  # the step is done when the device is
+        starts.append(start)
+        ends.append(time.monotonic())
+    times = torch.tensor([starts, ends], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    total_flops = torch.tensor([float(device.flops)], dtype=torch.float64)
+    dist.all_reduce(total_flops)  # one step's NS flops of every rank: the job's
+    steps = ((times[1] - times[0])[args.warmup :] / args.dilation).tolist()
+    result.update(
+        step_s=statistics.median(steps),
+        steps_s=steps,
+        floor_s=float(total_flops) / world / (args.tflops * 1e12),
+        buckets=len(opt.plan.buckets),
+        buffer_bytes=opt.last_step_stats.buffer_bytes,
+    )
+    if bucket == DEFAULT_BUCKET:  # memory of a model --deeper times deeper at the same setting
+        deeper = make_params(args.layers * args.deeper, args.scale, mesh)
+        deep_opt = DMuonFSDP(deeper, **options)
+        set_grads(deeper, 0)
+        deep_opt.step()
+        result["deeper_buffer_bytes"] = deep_opt.last_step_stats.buffer_bytes
+    dist.all_to_all_single = link.real
+    dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(world: int, package: str | None, bucket: int, args) -> dict:
+    table = torch.zeros(MAX_EXCHANGES, world, 2, dtype=torch.float64).share_memory_()
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        mp.spawn(rank_main, args=(world, free_port(), package, bucket, args, table, out.name), nprocs=world)
+        return json.loads(Path(out.name).read_text())
+
+
+def export(rev: str) -> str:
+    """The package as it was at git revision ``rev``, in a temporary folder."""
+    folder = tempfile.mkdtemp(prefix="dmuon_before_")
+    archive = subprocess.run(["git", "archive", rev, "dmuon_fsdp"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--deeper", type=int, default=4)
+    parser.add_argument("--scale", type=int, default=128, help="S: every dimension / S")
+    parser.add_argument("--tflops", type=float, default=400.0, help="emulated bf16 matmul rate")
+    parser.add_argument("--link-gbs", type=float, default=50.0, help="the shared link, GB/s")
+    parser.add_argument(
+        "--dilation",
+        type=float,
+        default=10.0,
+        help="run the device and the link this many times slower and divide the times measured by it, "
+        "so that real host work (W ranks sharing two cores) stays small beside them",
+    )
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="turns of every contender")
+    parser.add_argument("--before", help="git revision of the package to compare with")
+    parser.add_argument("--out", default="runs/bench/emulate_scale.json")
+    args = parser.parse_args()
+    if any(n % args.scale for n in LLAMA3_8B):
+        parser.error(f"--scale {args.scale} does not divide the Llama-3-8B dimensions {LLAMA3_8B}")
+    packages = {"after": None}
+    if args.before:
+        packages = {"before": export(args.before), **packages}
+    contenders = [(name, bucket) for name in packages for bucket in (DEFAULT_BUCKET, ONE_BUCKET)]
+    results: dict = {}
+    for world in args.world_sizes:
+        runs: dict = {c: [] for c in contenders}
+        for _ in range(args.rounds):
+            for name, bucket in contenders:
+                runs[name, bucket].append(run(world, packages[name], bucket, args))
+        for (name, bucket), rs in runs.items():
+            results[f"W={world} {name} {'default' if bucket == DEFAULT_BUCKET else 'one bucket'}"] = {
+                **rs[0],
+                "step_s": statistics.median(r["step_s"] for r in rs),
+                "rounds_s": [r["step_s"] for r in rs],
+            }
+    print(
+        f"## Emulated GPUs: Llama-3-8B-shaped layers / {args.scale} ({args.layers} layers), "
+        "bf16 NS and wire, "
+        f"{args.tflops:g} TFLOP/s, {args.link_gbs:g} GB/s shared link; medians of {args.steps} steps x "
+        f"{args.rounds} rounds (device and link run {args.dilation:g}x slower, times divided back)\n"
+    )
+    print(
+        "| W | package | buckets (default) | default step ms | one bucket ms | NS floor ms | default / floor "
+        "| default / one bucket | buffer KiB (rank 0, real size) "
+        f"| {args.deeper}x deeper KiB | deeper / model |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for world in args.world_sizes:
+        for name in packages:
+            d, one = results[f"W={world} {name} default"], results[f"W={world} {name} one bucket"]
+            kib, deep = d["buffer_bytes"] / 2**10, d["deeper_buffer_bytes"] / 2**10
+            print(
+                f"| {world} | {name} | {d['buckets']} | {d['step_s'] * 1e3:.1f} | {one['step_s'] * 1e3:.1f} "
+                f"| {d['floor_s'] * 1e3:.1f} | {d['step_s'] / d['floor_s']:.2f}x "
+                f"| {d['step_s'] / one['step_s']:.2f}x | {kib:.0f} | {deep:.0f} | {deep / kib:.2f}x |"
+            )
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(f"\nJSON: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -25,10 +25,10 @@ class StepStats:
     ``bytes_received`` (matrix pieces to and from other ranks, both exchanges; the check flags
     riding in one exchange, ``flag_bytes`` each way, and NorMuon's row statistics, one or two
     numbers per row, are not included),
-    ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers of the step
-    programs the optimizer keeps between steps: exchange buffers, stacks of owned matrices, the
-    NS workspace, staging and scratch copies, for each gradient set whose program is kept:
-    ``dmuon_fsdp.build.PROGRAMS_KEPT``).
+    ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers the optimizer keeps
+    between steps: the two slots' exchange buffers, stacks of owned matrices, staging and scratch
+    copies, and the NS workspace, which every bucket and every kept program share:
+    ``dmuon_fsdp.buffers``).
     With ``timed=True``, ``seconds[phase]`` holds the wall time of each of ``PHASES`` (``wait``:
     blocked on all-to-all, summed over the step). On accelerators, timing synchronizes the device
     at every phase boundary, which removes the overlap of exchange and NS: time whole steps with

@@ -102,14 +102,15 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     opt.add_argument(
         "--overlap-backward",
         action="store_true",
-        help="DMuonFSDP starts each bucket's exchange to its owners during backward, as its gradients "
-        "land (same results); pair it with --bucket-mib of about one layer's matrices",
+        help="DMuonFSDP starts its first bucket's exchange to the owners during backward, once its "
+        "gradients land (same results)",
     )
     opt.add_argument(
         "--bucket-mib",
         type=float,
         default=None,
-        help="DMuonFSDP's bucket size in MiB (default: DMuonFSDP's, 128)",
+        help="DMuonFSDP's bucket_bytes in MiB: the most one rank holds or moves per bucket "
+        "(default: DMuonFSDP's, 128)",
     )
     opt.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     opt.add_argument("--decay", default="cosine", choices=["cosine", "linear"], help="lr decay after warm-up")

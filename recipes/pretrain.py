@@ -45,7 +45,7 @@ from recipes.metrics import Console, MetricsLog, flops_per_token, peak_memory_mb
 from recipes.model import ModelConfig, preset
 from recipes.options import UsageError, lr_factor
 from recipes.run_lock import RunLock
-from recipes.stop import STOPPED, StopSignals
+from recipes.stop import STOPPED, StopSignals, let_threads_run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(error, UsageError) else 1
     finally:
         if dist.is_initialized() and not caller_group:
+            let_threads_run()  # a failed save's collectives (DCP's) leave tensors to gloo's threads
             dist.destroy_process_group()
 
 

@@ -52,3 +52,34 @@ class StopSignals:
             print(f"second signal ({name}): exiting now, without a checkpoint", file=sys.stderr, flush=True)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+def let_threads_run(quiet_polls: int = 3, poll_s: float = 0.005, limit_s: float = 30.0) -> None:
+    """Before a process leaves a CPU job: collectives other than DMuonFSDP's own (DCP's, DTensor's
+    gathers) leave their tensors to gloo's worker threads, which drop them when they next run; a
+    drop after interpreter finalization began aborts the process ("terminate called without an
+    active exception"; seen after a failed checkpoint save). So: sleep (the GIL released) until
+    no other thread of this process has been runnable for
+    ``quiet_polls`` polls in a row: a worker that still held a finished collective's tensors was
+    runnable (or waiting for the GIL, which it gets while this thread sleeps) until it dropped
+    them. Linux (/proc); elsewhere a fixed pause."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        time.sleep(0.2)
+        return
+    deadline, quiet, busy = time.monotonic() + limit_s, 0, []
+    while quiet < quiet_polls:
+        if time.monotonic() > deadline:
+            print(f"finish: threads {busy} still runnable after {limit_s} s", file=sys.stderr, flush=True)
+            return
+        time.sleep(poll_s)
+        busy = [tid for tid in os.listdir(tasks) if int(tid) != os.getpid() and _runnable(f"{tasks}/{tid}")]
+        quiet = 0 if busy else quiet + 1
+
+
+def _runnable(task: str) -> bool:
+    try:
+        with open(f"{task}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):  # the thread ended
+        return False

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 HERE = os.path.join(os.path.dirname(__file__), "frameworks")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
 # Where a rank's own account of a failure begins: a Python traceback (a chained one whole) or, for a
 # native abort or the stacks dumped at a timeout, faulthandler's report.
@@ -36,6 +37,7 @@ def torchrun(script: str, tmp_path) -> dict:
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONFAULTHANDLER": "1",  # a native abort (or the SIGABRT of a timeout) prints the Python stacks
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),  # the recipe's helpers
     }
     command = [
         sys.executable,

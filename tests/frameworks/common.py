@@ -3,12 +3,12 @@ and a snapshot of parameters and optimizer state as full tensors."""
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from recipes.stop import let_threads_run
 
 
 def tiny_llama(seed: int = 0):
@@ -82,30 +82,3 @@ def finish(result, path: str) -> None:
     dist.barrier()
     let_threads_run()
     dist.destroy_process_group()
-
-
-def let_threads_run(quiet_polls: int = 3, poll_s: float = 0.005, limit_s: float = 30.0) -> None:
-    """Sleep (the GIL released) until no other thread of this process has been runnable for
-    ``quiet_polls`` polls in a row: a worker that still held a finished collective's tensors was
-    runnable (or waiting for the GIL, which it gets while this thread sleeps) until it dropped
-    them. Linux (/proc); elsewhere a fixed pause."""
-    tasks = "/proc/self/task"
-    if not os.path.isdir(tasks):
-        time.sleep(0.2)
-        return
-    deadline, quiet, busy = time.monotonic() + limit_s, 0, []
-    while quiet < quiet_polls:
-        if time.monotonic() > deadline:
-            print(f"finish: threads {busy} still runnable after {limit_s} s", file=sys.stderr, flush=True)
-            return
-        time.sleep(poll_s)
-        busy = [tid for tid in os.listdir(tasks) if int(tid) != os.getpid() and _runnable(f"{tasks}/{tid}")]
-        quiet = 0 if busy else quiet + 1
-
-
-def _runnable(task: str) -> bool:
-    try:
-        with open(f"{task}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "R"
-    except (OSError, IndexError):  # the thread ended
-        return False

@@ -235,3 +235,30 @@ def test_the_demo_sets_up_only_what_it_runs():
     owners = metadata.packages_distributions()
     imported = {d.lower().replace("_", "-") for m in json.loads(done.stdout) for d in owners.get(m, [])}
     assert imported - demo - {"dmuon-fsdp"} == set(), "the demo imports what its set-up does not install"
+
+
+def test_simulate_e2e_spreads_buckets_and_the_overlap_never_costs_more(tmp_path):
+    out = tmp_path / "e2e.json"
+    _run(
+        "simulate_scale", "--report", "e2e", "--models", "llama3-8b", "--world-sizes", "8", "64", "--out", out
+    )
+    for row in json.loads(out.read_text())["results"]["llama3-8b"]:
+        plain, overlap = row["plain_pipelined"], row["overlap"]
+        assert overlap["step_ms"] <= plain["step_ms"] + 1e-9
+        assert plain["exposed_ms"] >= row["busiest_ns_ms"] + row["elementwise_ms"] - 1e-9
+        # every bucket spread over all owners: at most a few percent above the busiest rank's NS
+        assert plain["exposed_ms"] < 1.2 * (row["busiest_ns_ms"] + row["elementwise_ms"]) + 10
+
+
+def test_emulate_scale_reports_the_step_against_the_floor_and_one_bucket(tmp_path):
+    out = tmp_path / "emulate.json"
+    _run(
+        "emulate_scale",
+        *("--world-sizes", "2", "--layers", "2", "--deeper", "2", "--steps", "1", "--warmup", "1"),
+        *("--rounds", "1", "--dilation", "1", "--out", out),
+    )
+    results = json.loads(out.read_text())["results"]
+    default, one = results["W=2 after default"], results["W=2 after one bucket"]
+    assert default["floor_s"] > 0 and default["step_s"] >= default["floor_s"] * 0.99
+    assert one["buckets"] == 1 and default["buckets"] >= 1
+    assert 0 < default["buffer_bytes"] and 0 < default["deeper_buffer_bytes"]

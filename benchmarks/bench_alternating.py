@@ -32,8 +32,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP, comm
-from dmuon_fsdp.layouts import local_shard
-from tests.instruments import CollectiveCalls
+from dmuon_fsdp.state import local_shard
+from instruments.counters import CollectiveCalls
 
 
 class Experts(nn.Module):

@@ -21,9 +21,8 @@ import torch
 
 from benchmarks.matmul_floor import bmm_seconds
 from dmuon_fsdp import param_groups
-from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts
-from dmuon_fsdp.newton_schulz import newton_schulz_flops
 from dmuon_fsdp.planner import build_plan
+from instruments.plans import chunk_row_counts, newton_schulz_flops, rank_loads, row_sharded_layout
 from recipes.model import PRESETS, Transformer, preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,10 +73,10 @@ def dmuon_ns_floor_ms(cfg, world: int) -> tuple[float, float]:
     torch.set_num_threads(1)
     shapes = [tuple(p.shape) for _, p in param_groups(Transformer(cfg))[0]["params"]]
     layouts = [
-        MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)
+        row_sharded_layout(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)
     ]
     plan = build_plan(layouts, [newton_schulz_flops(r, c, 5) for r, c in shapes], world, 128 * 2**20, 4)
-    loads = plan.loads()
+    loads = rank_loads(plan)
     busiest = max(range(world), key=loads.__getitem__)
     floor = bmm_seconds(plan, busiest, torch.float32, torch.device("cpu"))
     return loads[busiest] / 1e9, floor * 1e3

@@ -42,8 +42,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dmuon_fsdp import DMuonFSDP, param_groups
+from instruments.counters import CollectiveCalls, HostReads, OpCounter
 from recipes.model import Transformer, preset
-from tests.instruments import CollectiveCalls, HostReads, OpCounter
 
 # case -> (world size, process group kind, blocks)
 CASES = {

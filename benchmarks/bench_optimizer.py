@@ -36,7 +36,7 @@ from benchmarks.gather_muon import GatherAllMuon
 from benchmarks.matmul_floor import bmm_seconds, ns_throughput_report
 from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, comm, param_groups
 from dmuon_fsdp.newton_schulz import default_ns_dtype
-from dmuon_fsdp.stats import PHASES
+from dmuon_fsdp.program import PHASES
 from recipes.model import PRESETS, Transformer, preset
 
 CONTENDERS = [

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from dmuon_fsdp import adjusted_lr, newton_schulz
+from dmuon_fsdp import newton_schulz
 from dmuon_fsdp.newton_schulz import resolve_coefficients
+from dmuon_fsdp.state import adjusted_lr
 
 
 class GatherAllMuon(torch.optim.Optimizer):

@@ -8,14 +8,10 @@ import argparse
 
 import torch
 
-from dmuon_fsdp.layouts import MatrixLayout, chunk_row_counts
-from dmuon_fsdp.newton_schulz import (
-    MUON_COEFFICIENTS,
-    ns_segments,
-    resolve_coefficients,
-    segments_flops,
-)
+from dmuon_fsdp.layouts import MatrixLayout
+from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, ns_segments, resolve_coefficients, segments_flops
 from dmuon_fsdp.planner import Plan, build_plan
+from instruments.plans import chunk_row_counts, row_sharded_layout
 
 
 def llama_matrices(layers: int, dim: int, kv_dim: int, ffn: int, experts: int = 0) -> list[tuple[int, int]]:
@@ -48,9 +44,7 @@ WIRE_BYTES = 2  # bf16
 
 
 def row_sharded(shapes: list[tuple[int, int]], world: int) -> list[MatrixLayout]:
-    return [
-        MatrixLayout.row_sharded(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)
-    ]
+    return [row_sharded_layout(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)]
 
 
 def ns_costs(shapes: list[tuple[int, int]], algorithm: str = "standard", ns_steps: int = 5) -> list[int]:

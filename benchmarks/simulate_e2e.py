@@ -44,6 +44,7 @@ from benchmarks.scale_model import (
     resolve_gpu,
 )
 from dmuon_fsdp.planner import Plan
+from instruments.plans import rank_loads
 
 
 def bucket_costs(plan: Plan, args: argparse.Namespace) -> tuple[list[float], list[dict[int, float]]]:
@@ -145,7 +146,7 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
     algorithm = args.ns_algorithms[0]
     plan = plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps)
     sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
-    busiest_ns = max(plan.loads()) / (args.tflops * 1e12 * args.ns_efficiency)
+    busiest_ns = max(rank_loads(plan)) / (args.tflops * 1e12 * args.ns_efficiency)
     optimizer = elementwise + busiest_ns + sent / (args.link_gbs * 1e9)
     exchange, ns = bucket_costs(plan, args)
     adamw = forward + backward + elementwise

@@ -38,8 +38,15 @@ from benchmarks.scale_model import (
     resolve_gpu,
     spread,
 )
-from dmuon_fsdp.layouts import EMPTY, MatrixLayout, Piece, chunk_row_counts
-from dmuon_fsdp.planner import assignment_lower_bound, build_plan, makespan_lower_bound
+from dmuon_fsdp.layouts import EMPTY, MatrixLayout, Piece
+from dmuon_fsdp.planner import build_plan
+from instruments.plans import (
+    assignment_lower_bound,
+    chunk_row_counts,
+    makespan_lower_bound,
+    rank_loads,
+    row_sharded_layout,
+)
 
 # MoE models for ``--report moe``: (shape, experts) per parameter, experts 0 for a plain matrix,
 # else an expert stack of that many (rows, cols) matrices; a layer's parameters in module order.
@@ -96,9 +103,7 @@ def ep_layouts(
         if not experts:
             key = (rows, cols)
             if key not in pieces_of:
-                pieces_of[key] = MatrixLayout.row_sharded(
-                    "", rows, cols, chunk_row_counts(rows, world)
-                ).pieces
+                pieces_of[key] = row_sharded_layout("", rows, cols, chunk_row_counts(rows, world)).pieces
             pieces = pieces_of[key]
             layouts.append(MatrixLayout(f"{index}", rows, cols, pieces))
             holders.append(tuple(r for r, p in enumerate(pieces) if p.numel))
@@ -152,7 +157,7 @@ def moe_scale(stacks: list[Stack], world: int, ep: int, args: argparse.Namespace
                 sent[r] += m.pieces[r].numel
         sent[owner] += m.numel - m.pieces[owner].numel
         outside += expert and m.pieces[owner].numel == 0
-    loads = plan.loads()
+    loads = rank_loads(plan)
     owned = [0] * world
     shapes: list[set] = [set() for _ in range(world)]
     batches = [0] * world  # NS batches a step runs: distinct shapes per owner per bucket

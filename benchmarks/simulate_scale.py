@@ -62,11 +62,9 @@ from benchmarks.scale_model import (
 )
 from benchmarks.simulate_e2e import e2e_report
 from benchmarks.simulate_moe import MOE_MODELS, moe_report
-from dmuon_fsdp.layouts import replicated
-from dmuon_fsdp.newton_schulz import (
-    NS_ALGORITHMS,
-)
-from dmuon_fsdp.planner import assignment_lower_bound, build_plan, makespan_lower_bound
+from dmuon_fsdp.newton_schulz import NS_ALGORITHMS
+from dmuon_fsdp.planner import build_plan
+from instruments.plans import assignment_lower_bound, makespan_lower_bound, rank_loads, replicated
 
 
 def simulate(shapes: list[tuple[int, int]], world: int, args: argparse.Namespace) -> dict:
@@ -87,7 +85,7 @@ def simulate(shapes: list[tuple[int, int]], world: int, args: argparse.Namespace
     }
     for algorithm in args.ns_algorithms:
         plan = plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps)
-        loads, costs = plan.loads(), list(plan.costs)
+        loads, costs = rank_loads(plan), list(plan.costs)
         sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
         row["dmuon_ms"][algorithm] = (elementwise + max(loads) / rate + sent / link) * 1e3
         if algorithm == args.ns_algorithms[0]:
@@ -132,7 +130,7 @@ def plot(results: dict, path: Path, title: str) -> None:
 
 def balance(shapes: list[tuple[int, int]], world: int) -> dict:
     """The busiest rank's NS load over the assignment lower bound and over the mean."""
-    loads = plan_for(shapes, world, 2**62).loads()
+    loads = rank_loads(plan_for(shapes, world, 2**62))
     bound = assignment_lower_bound(ns_costs(shapes), world)
     return {
         "world": world,
@@ -164,11 +162,11 @@ def hsdp(shapes: list[tuple[int, int]], replicas: int, shards: int) -> dict:
                 sent += (replicas - 1) * m.pieces[rank].numel
         two_step.append(sent)
     gather_all = [sum(m.pieces[s].numel for m in rows_only) * (shards - 1) for s in range(shards)]
-    busiest = max(ours.loads()) / 1e9
+    busiest = max(rank_loads(ours)) / 1e9
     return {
         "per-replica": {
             **spread([per_replica.elements_moved(r) for r in range(shards)]),
-            "ns_gflop": max(per_replica.loads()) / 1e9,
+            "ns_gflop": max(rank_loads(per_replica)) / 1e9,
         },
         "DMuonFSDP": {**spread([ours.elements_moved(r) for r in range(world)]), "ns_gflop": busiest},
         "a2a + all-gather": {**spread(two_step), "ns_gflop": busiest},

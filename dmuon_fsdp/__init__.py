@@ -6,14 +6,12 @@ opt = DMuonFSDP(model.parameters(), lr=0.02)      # or DMuonFSDP(param_groups(mo
 
 from dmuon_fsdp.backward import clip_grad_norm_
 from dmuon_fsdp.checks import GradientMismatchError, NonFiniteGradientError
-from dmuon_fsdp.elementwise import adjusted_lr
-from dmuon_fsdp.layouts import chunk_row_counts
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS, newton_schulz
 from dmuon_fsdp.optimizer import DMuonFSDP
 from dmuon_fsdp.param_groups import param_groups
-from dmuon_fsdp.planner import Plan, build_plan
+from dmuon_fsdp.planner import Plan
+from dmuon_fsdp.program import StepStats
 from dmuon_fsdp.qk_clip import AttentionWeights, QKClip
-from dmuon_fsdp.stats import StepStats
 
 __all__ = [
     "AttentionWeights",
@@ -25,9 +23,6 @@ __all__ = [
     "Plan",
     "QKClip",
     "StepStats",
-    "adjusted_lr",
-    "build_plan",
-    "chunk_row_counts",
     "clip_grad_norm_",
     "newton_schulz",
     "param_groups",

@@ -13,7 +13,7 @@ waits for. A hook never waits for anything.
 
 Only the buckets before the carrier of the check flags start so (the carrier is the first
 bucket of the loop after them: its exchange carries the flags, made from the final gradients;
-``carrier`` in ``dmuon_fsdp.schedule``): they hold the slots of ``dmuon_fsdp.buffers``, which the
+``carrier`` in ``dmuon_fsdp.exchange``): they hold the slots of ``dmuon_fsdp.exchange``, which the
 later buckets take over at ``step`` once those are through. ``run`` (at ``step``) runs the same
 bucket loop as a plain step (``dmuon_fsdp.program``, [Note: the bucket loop]), which finds them
 launched. The exchanges run on a process group of their own (``comm.backward_group``) in the
@@ -43,12 +43,11 @@ import torch
 from torch import Tensor
 
 from dmuon_fsdp.checks import StepKey, Verdict
-from dmuon_fsdp.layouts import local_shard
-from dmuon_fsdp.program import StepProgram, StepRun
-from dmuon_fsdp.stats import StepStats
+from dmuon_fsdp.program import StepProgram, StepRun, StepStats
+from dmuon_fsdp.state import local_shard
 
 if TYPE_CHECKING:
-    from dmuon_fsdp.validation import Options
+    from dmuon_fsdp.options import Options
 
 
 @dataclass

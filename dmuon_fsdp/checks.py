@@ -1,4 +1,5 @@
-"""Checks before a step commits anything, agreed on by every rank so that no rank waits alone.
+"""Checks before a step commits anything, agreed on by every rank so that no rank waits alone,
+and the errors every rank raises alike.
 
 A step is identified by its ``StepKey``: which parameters have gradients, the Muon groups'
 structural options and whether check flags travel. Nothing here is a collective of its own on
@@ -7,8 +8,11 @@ step's first all-to-all (its last, for a step begun in backward), one per peer, 
 turns their element-wise maximum over the ranks into the same ``Verdict`` everywhere: go on,
 skip the step, rebuild (every rank's key changed the same way), redo the step from the start (a
 step begun in backward whose gradients changed afterwards, see ``dmuon_fsdp.backward``), or
-explain (``dmuon_fsdp.errors``: the errors every rank raises alike, and the one ``all_reduce``
-that agrees on a plan when a program is built).
+raise. Flags only say *that* something is wrong somewhere; to say what, ``raise_alike`` shares
+each rank's per-parameter findings (a second collective, on the rare path) so that every rank
+raises the same error naming parameters and ranks. ``agree_on_plan`` is the one ``all_reduce``
+when a program is built (trouble anywhere, and with ``check_grads`` that every rank built the
+same plan).
 
 Flags, per rank: [invalid, non-finite, redo, d0..d3, -d0..-d3]. Invalid is 1 for a sparse or
 misshapen gradient or a parameter whose layout changed; non-finite is 1 when a gradient holds inf
@@ -20,18 +24,20 @@ the same d. Integers up to 255 are exact in every float dtype the exchange may u
 from __future__ import annotations
 
 import enum
+import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_fsdp import comm
-from dmuon_fsdp.layouts import local_shard
-from dmuon_fsdp.neurons import STATE_KEY
+from dmuon_fsdp.normuon import STATE_KEY
+from dmuon_fsdp.state import local_shard
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
@@ -80,7 +86,7 @@ class Verdict(enum.Enum):
     GO = "go"
     SKIP = "skip"  # a non-finite gradient somewhere, nonfinite="skip"
     REBUILD = "rebuild"  # every rank's key changed the same way: build the new program, run again
-    EXPLAIN = "explain"  # something is wrong: every rank calls ``explain`` and raises
+    RAISE = "raise"  # something is wrong: every rank raises the same error (``raise_alike``)
     REDO = "redo"  # gradients changed after backward started the step: run it again from them
 
 
@@ -94,17 +100,17 @@ class StepKey:
 
     has_grad: tuple[bool, ...]  # per optimizer parameter, in optimizer order
     options: tuple[tuple[Any, ...], ...]  # per Muon group, its ``STRUCTURAL`` values
-    flags: bool  # whether check flags travel (with a check on)
+    checked: bool  # whether check flags travel (with a check on)
 
     @classmethod
-    def of(cls, groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], flags: bool) -> StepKey:
+    def of(cls, groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], checked: bool) -> StepKey:
         options = tuple(tuple(frozen(g[k]) for k in STRUCTURAL) for g in groups if g["use_muon"])
-        return cls(tuple(g is not None for g in grads), options, flags)
+        return cls(tuple(g is not None for g in grads), options, checked)
 
     @cached_property
     def digest(self) -> int:
         """32-bit checksum, the same on every rank for equal keys."""
-        return zlib.crc32(repr((self.has_grad, self.options, self.flags)).encode())
+        return zlib.crc32(repr((self.has_grad, self.options, self.checked)).encode())
 
 
 def _hyper(groups: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str, Any]]:
@@ -135,7 +141,7 @@ def hyper_digest(groups: Sequence[dict[str, Any]]) -> int:
 
 def key_agreement(key_digest: int, group: Any, device: torch.device) -> comm.Handle:
     """Start agreeing on the step key before a step (only while keys alternate, see
-    ``dmuon_fsdp.build.ProgramCache``): one ``all_reduce`` of 16 bytes; ``agreed`` reads it."""
+    ``dmuon_fsdp.cache.ProgramCache``): one ``all_reduce`` of 16 bytes; ``agreed`` reads it."""
     return comm.start_max(torch.tensor([key_digest, -key_digest], dtype=torch.int64, device=device), group)
 
 
@@ -156,13 +162,13 @@ def decide(summary: Sequence[float], key_digest: int, nonfinite: str, check_grad
     """The verdict from the element-wise maximum of every rank's flags (the same everywhere)."""
     high, low = summary[3:7], [-v for v in summary[7:11]]
     if summary[INVALID_SLOT] > 0 or (check_grads and high != low):
-        return Verdict.EXPLAIN
+        return Verdict.RAISE
     if check_grads and sum(int(d) << (8 * i) for i, d in enumerate(high)) != key_digest:
         return Verdict.REBUILD
     if summary[REDO_SLOT] > 0:  # the step's work began on gradients some rank has since seen change
         return Verdict.REDO
     if summary[NONFINITE_SLOT] > 0:  # some rank has a non-finite gradient
-        return {"raise": Verdict.EXPLAIN, "skip": Verdict.SKIP}.get(nonfinite, Verdict.GO)
+        return {"raise": Verdict.RAISE, "skip": Verdict.SKIP}.get(nonfinite, Verdict.GO)
     return Verdict.GO
 
 
@@ -180,7 +186,7 @@ def nonfinite_indicator(grads: list[Tensor], found: Tensor, one: Tensor) -> Tens
 @dataclass
 class Flags:
     """Where the flags sit in the buffers of the exchange carrying them: (peers, FLAG_ELEMENTS),
-    at the head of every segment (``dmuon_fsdp.schedule``), and this rank's flags when nothing is
+    at the head of every segment (``dmuon_fsdp.exchange``), and this rank's flags when nothing is
     wrong here (``values``, comm dtype, on the device) for the digest they were made for: made
     anew only when the per-step options change (``hyper_digest``)."""
 
@@ -226,3 +232,185 @@ def stale_layouts(params: Sequence[Tensor], state: Any) -> set[Tensor]:
         return key == "step" or shape == (local.shape[: len(shape)] if key == STATE_KEY else local.shape)
 
     return {p for p in params if not all(matches(k, v, local_shard(p)) for k, v in state[p].items())}
+
+
+ADVICE = (
+    "every rank must pass the same parameters, in the same order (names included), with the same shapes, "
+    "placements and options; plain tensors under a process group count as replicated (DDP)"
+)
+
+
+def agree_on_plan(
+    trouble: bool,
+    key_digest: int,
+    signature: int,
+    identities: Sequence[tuple[str, Any]],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    compare: bool,
+) -> bool:
+    """When a program is built: one ``all_reduce`` telling every rank whether any rank found
+    ``trouble`` or, with ``compare``, a different step key (then every rank should ``explain``).
+    With ``compare``, ranks whose plans' ``signature``s differ all raise the same ValueError,
+    naming the first Muon matrix whose identity (``identities``: per matrix, its name and what
+    else the plan depends on) differs."""
+    signature = signature if compare else 0
+    key_digest = key_digest if compare else 0
+    values = [int(trouble), key_digest, -key_digest, signature, -signature]
+    agreed = comm.all_max(torch.tensor(values, dtype=torch.int64, device=device), group).tolist()
+    if agreed[0] or agreed[1] != -agreed[2]:
+        return True
+    if agreed[3] != -agreed[4]:
+        _explain_plans(identities, group, device)
+    return False
+
+
+def _rows(
+    values: Sequence[float], dtype: torch.dtype, group: dist.ProcessGroup, device: torch.device
+) -> list:
+    """Every rank's ``values`` (rows in group rank order), also when their lengths differ: the
+    lengths travel first, the rows padded to the longest (a rare path: two collectives)."""
+    lengths = comm.all_rows(torch.tensor([len(values)], dtype=torch.int64, device=device), group)
+    width = int(lengths.max())
+    row = torch.zeros(max(width, 1), dtype=dtype, device=device)
+    row[: len(values)] = torch.tensor(list(values), dtype=dtype)
+    table = comm.all_rows(row, group).tolist()
+    return [r[:n] for r, n in zip(table, lengths.flatten().tolist())]
+
+
+def _text(text: str, group: dist.ProcessGroup, device: torch.device) -> list[str]:
+    """Every rank's ``text`` (UTF-8, 400 bytes at most)."""
+    rows = _rows(list(text.encode()[:400]), torch.int32, group, device)
+    return [bytes(int(b) for b in row).decode(errors="replace") for row in rows]
+
+
+def _explain_plans(
+    identities: Sequence[tuple[str, Any]], group: dist.ProcessGroup, device: torch.device
+) -> NoReturn:
+    digests = [zlib.crc32(repr(identity).encode()) for identity in identities]
+    table = _rows(digests, torch.int64, group, device)
+    head = "the ranks exchanging Muon matrices built different plans"
+    if len({len(row) for row in table}) > 1:
+        counts = ", ".join(f"{len(row)} on rank {r}" for r, row in enumerate(table))
+        raise ValueError(f"{head}: they hold different numbers of Muon matrices ({counts}); {ADVICE}")
+    differing = [j for j in range(len(digests)) if len({row[j] for row in table}) > 1]
+    if not differing:
+        raise ValueError(
+            f"{head} from the same Muon matrices: ns_dtype, comm_dtype, bucket_bytes or overlap_backward "
+            f"differ; {ADVICE}"
+        )
+    j = differing[0]
+    labels = _text(identities[j][0], group, device)
+    if len(set(labels)) == 1:
+        raise ValueError(
+            f"{head}: Muon matrix {j} ({labels[0]}) differs in layout or Newton-Schulz form; {ADVICE}"
+        )
+    which = ", ".join(f"{label} on rank {r}" for r, label in enumerate(labels))
+    raise ValueError(f"{head}: Muon matrix {j} is {which}; {ADVICE}")
+
+
+def gradient_codes(params: Sequence[Tensor], stale: Collection[Tensor], nonfinite: str) -> list[int]:
+    """This rank's findings, one bit set per parameter (a rare path: reads every gradient)."""
+    codes = []
+    for p in params:
+        code = STALE_LAYOUT if p in stale else 0
+        if p.grad is not None:
+            code |= HAS_GRAD
+            if p.grad.layout != torch.strided:
+                code |= SPARSE
+            elif local_shard(p.grad).shape != local_shard(p).shape:
+                code |= MISSHAPEN
+            elif p.grad.dtype != p.dtype:
+                code |= MISTYPED
+        codes.append(code)
+    if nonfinite != "ignore" and not any(code & INVALID_BITS for code in codes):
+        checked = [
+            i for i, code in enumerate(codes) if code & HAS_GRAD and local_shard(params[i].grad).numel()
+        ]
+        if checked:
+            norms = torch._foreach_norm([local_shard(params[i].grad) for i in checked], math.inf)
+            for i, bad in zip(checked, (~torch.stack(norms).isfinite()).tolist()):
+                codes[i] |= NONFINITE if bad else 0
+    return codes
+
+
+def raise_alike(
+    params: Sequence[Tensor],
+    names: dict[Tensor, str],
+    groups: Sequence[dict[str, Any]],
+    group: dist.ProcessGroup | None,
+    nonfinite: str,
+    stale: Collection[Tensor] = (),
+) -> NoReturn:
+    """Share every rank's findings (collectives over ``group``; None: this rank's alone) and
+    raise, on every rank alike: ValueError for sparse, misshapen or mistyped gradients and
+    parameters whose layout changed (``stale``), GradientMismatchError when ranks disagree on
+    which parameters have gradients, NonFiniteGradientError for inf/NaN with
+    ``nonfinite="raise"``, ValueError naming a per-step or structural group option the ranks
+    disagree on, and otherwise ValueError (the ranks' steps differ in another way)."""
+    codes = gradient_codes(params, stale, nonfinite)
+    device = params[0].device if params else torch.device("cpu")
+    table = [codes] if group is None else _rows(codes, torch.int32, group, device)
+    if len({len(row) for row in table}) > 1:
+        counts = ", ".join(f"{len(row)} on rank {r}" for r, row in enumerate(table))
+        raise ValueError(f"the ranks' optimizers hold different numbers of parameters ({counts}); {ADVICE}")
+
+    def prefix(rank: int) -> str:
+        return f"rank {rank}: " if len(table) > 1 else ""
+
+    invalid = [
+        f"{prefix(r)}{names[params[i]]}{reason}"
+        for r, row in enumerate(table)
+        for i, code in enumerate(row)
+        for bit, reason in INVALID.items()
+        if code & bit
+    ]
+    if invalid:
+        raise ValueError("; ".join(invalid))
+    lines = []
+    for i, p in enumerate(params):
+        have = [r for r, row in enumerate(table) if row[i] & HAS_GRAD]
+        if 0 < len(have) < len(table):
+            lacking = [r for r in range(len(table)) if r not in have]
+            lines.append(f"{names[p]}: gradient on ranks {have}, None on ranks {lacking}")
+    if lines:
+        raise GradientMismatchError(
+            "ranks disagree on which parameters have gradients, so their exchanges would not match: "
+            + "; ".join(lines)
+            + ". Every rank must run backward through the same parameters (or set the same grads to None)."
+        )
+    bad = [
+        f"{names[params[i]]} (rank {r})"
+        for r, row in enumerate(table)
+        for i, code in enumerate(row)
+        if code & NONFINITE
+    ]
+    if bad and nonfinite == "raise":
+        raise NonFiniteGradientError(
+            f"non-finite gradient in {', '.join(bad)}; pass nonfinite='skip' to skip such steps"
+        )
+    if group is not None:
+        _explain_options(groups, group, device)
+    raise ValueError(f"the ranks' steps differ (parameters with gradients or group options); {ADVICE}")
+
+
+def _explain_options(
+    groups: Sequence[dict[str, Any]], group: dist.ProcessGroup, device: torch.device
+) -> None:
+    """Raise naming the first group option the ranks disagree on: a per-step one with every
+    rank's value, else a structural one (returns when they all agree)."""
+    hyper = _rows(hyper_numbers(groups), torch.float64, group, device)
+    for column, label in enumerate(hyper_labels(groups)):
+        values = [row[column] if column < len(row) else None for row in hyper]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"{v:g} on rank {r}" for r, v in enumerate(values) if v is not None)
+            raise ValueError(
+                f"ranks disagree on {label} ({per_rank}): every rank must step with the same options"
+            )
+    muon = [(g, options) for g, options in enumerate(groups) if options["use_muon"]]
+    labels = [f"param group {g}'s {key}" for g, _ in muon for key in STRUCTURAL]
+    digests = [zlib.crc32(repr(frozen(options[key])).encode()) for _, options in muon for key in STRUCTURAL]
+    table = _rows(digests, torch.int64, group, device)
+    for column, label in enumerate(labels):
+        if len({row[column] if column < len(row) else None for row in table}) > 1:
+            raise ValueError(f"ranks disagree on {label}: every rank must pass the same")

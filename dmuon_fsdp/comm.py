@@ -1,7 +1,7 @@
 """The only module calling torch.distributed: a passive transport and the groups it uses.
 
 ``launch`` starts one ``all_to_all_single`` of an ``Exchange`` (buffers and split sizes in
-process-group rank order, as ``dmuon_fsdp.schedule`` lays them out) and returns a handle to
+process-group rank order, as ``dmuon_fsdp.exchange`` lays them out) and returns a handle to
 wait on. ``ExchangeSite`` is where a step's exchanges and checks run: the ranks matrices move
 between and the process group over them. The small collectives here serve agreeing on a plan when it is built,
 sharing per-parameter findings for an error message, and QK-clip's per-step MAX of attention
@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dmuon_fsdp import layouts
 
 
 @dataclass
@@ -79,14 +82,14 @@ def _start(collective, buffers: tuple[Tensor, ...], *args: Any, **kwargs: Any) -
 
 @dataclass(frozen=True)
 class Exchange:
-    """One ``all_to_all_single`` over ``group``: ``send_counts[g]`` elements of ``send`` go to
+    """One ``all_to_all_single`` over ``process_group``: ``send_counts[g]`` elements of ``send`` go to
     group rank g and ``receive_counts[g]`` arrive from it into ``receive``."""
 
     send: Tensor
     receive: Tensor
     send_counts: list[int]
     receive_counts: list[int]
-    group: dist.ProcessGroup
+    process_group: dist.ProcessGroup
 
 
 def launch(exchange: Exchange) -> Handle:
@@ -97,7 +100,7 @@ def launch(exchange: Exchange) -> Handle:
             receive_view, send_view, exchange.receive_counts, exchange.send_counts, **kwargs
         )
 
-    return _start(all_to_all, (exchange.send, exchange.receive), group=exchange.group)
+    return _start(all_to_all, (exchange.send, exchange.receive), group=exchange.process_group)
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class ExchangeGroup:
     exchange's global ranks; ``peers[g]`` is the plan index of group rank g, ``rank`` this
     rank's."""
 
-    group: dist.ProcessGroup | None
+    process_group: dist.ProcessGroup | None
     rank: int
     peers: tuple[int, ...]
 
@@ -219,3 +222,31 @@ def all_rows(row: Tensor, group: dist.ProcessGroup) -> Tensor:
     table = torch.zeros(dist.get_world_size(group), row.numel(), dtype=row.dtype, device=row.device)
     table[dist.get_rank(group)] = row
     return _start(dist.all_reduce, (table,), group=group).wait()
+
+
+def exchange_ranks(meshes: dict[Any, str]) -> tuple[int, ...]:
+    """The global ranks Muon matrices move between, in plan order, for the meshes ``meshes`` (mesh
+    -> a parameter's name on it) that Muon parameters live on: the ranks linked by copies of
+    them (``layouts.exchange_ranks``), each mesh's copies holding every one of them once.
+    Plain tensors (None) move between every rank of the job, and cannot mix with DTensors."""
+    if None in meshes and len(meshes) > 1:
+        mesh, name = next((m, n) for m, n in meshes.items() if m is not None)
+        raise ValueError(
+            f"{meshes[None]} is a plain tensor but {name} is a DTensor on {mesh}: all Muon parameters "
+            "must be DTensors, or all plain tensors"
+        )
+    if not meshes or None in meshes:
+        return tuple(range(default_world_size()))
+    ranks = layouts.exchange_ranks(meshes, default_rank())
+    for mesh, name in meshes.items():
+        layouts.copies_over(mesh, ranks, name)  # every mesh holds each of the ranks once
+    return ranks
+
+
+def exchange_site(meshes: dict[Any, str], params: list[Tensor]) -> ExchangeSite:
+    """Where a step's exchanges and checks run: between the Muon parameters' ranks, or without
+    Muon parameters those of the first DTensor's mesh (plain tensors: every rank)."""
+    if not meshes:
+        first = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+        meshes = {first: ""}
+    return ExchangeSite(exchange_ranks(meshes), [m for m in meshes if m is not None])

@@ -62,15 +62,6 @@ class MatrixLayout:
     pieces: tuple[Piece, ...]
     replicas: tuple[int, ...] | None = None
 
-    @classmethod
-    def row_sharded(cls, name: str, rows: int, cols: int, row_counts: Sequence[int]) -> MatrixLayout:
-        """A matrix cut into consecutive row blocks, ``row_counts[r]`` rows on rank r (FSDP2)."""
-        pieces, start = [], 0
-        for count in row_counts:
-            pieces.append(Piece(start, count, 0, cols) if count and cols else EMPTY)
-            start += count
-        return cls(name, rows, cols, tuple(pieces))
-
     @property
     def numel(self) -> int:
         return self.rows * self.cols
@@ -89,32 +80,7 @@ class MatrixLayout:
         return tuple(r for r, piece in enumerate(self.pieces) if self.numel and piece.numel == self.numel)
 
 
-def replicated(layout: MatrixLayout, copies: int) -> MatrixLayout:
-    """``layout`` held by ``copies`` replica groups, replica index outermost in rank order (HSDP
-    on a (copies, shards) mesh); for simulations and tests."""
-    shards = len(layout.pieces)
-    replicas = tuple(r for r in range(copies) for _ in range(shards))
-    return MatrixLayout(layout.name, layout.rows, layout.cols, layout.pieces * copies, replicas)
-
-
-def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
-    """Rows per rank under ``torch.chunk`` semantics, as FSDP2 shards dim 0.
-
-    Chunks of ceil(rows / W) rows; the remainder goes to the earlier ranks, and the last ranks
-    may hold none: 5 rows over 4 ranks -> (2, 2, 1, 0).
-    """
-    size = -(-rows // world_size) if rows else 0
-    return tuple(max(0, min(size, rows - r * size)) for r in range(world_size))
-
-
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, local shape) of one rank's block
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (in-place ops on it update the DTensor), or a plain tensor
-    itself. Reads the local tensor directly: ``to_local()`` on a parameter returns a new view
-    per call, one aten op per parameter on every step."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @lru_cache(maxsize=64)

@@ -288,8 +288,3 @@ def newton_schulz(
     orthogonalize_(stack, coefficients, eps, Workspace.for_stack(stack, segments), segments)
     out = stack.mT if tall else stack
     return out.squeeze(0) if matrices.ndim == 2 else out
-
-
-def newton_schulz_flops(rows: int, cols: int, ns_steps: int) -> int:
-    """Flops (2 per multiply-add) of standard Newton-Schulz on one rows x cols matrix."""
-    return segments_flops(rows, cols, standard_segments(ns_steps))

@@ -12,18 +12,23 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from dmuon_fsdp import build, comm, swaps, validation
+from dmuon_fsdp import comm
 from dmuon_fsdp.backward import BackwardStart
-from dmuon_fsdp.bind import Settings
-from dmuon_fsdp.build import ProgramCache
+from dmuon_fsdp.cache import ProgramCache, Settings
 from dmuon_fsdp.checks import StepKey, Verdict
-from dmuon_fsdp.elementwise import initial_state, restore_state
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
-from dmuon_fsdp.param_groups import routing
+from dmuon_fsdp.options import (
+    Option,
+    Options,
+    check_lr,
+    check_new_groups,
+    check_state_dict,
+    split_group,
+)
+from dmuon_fsdp.param_groups import follow, routing
 from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.program import StepRun
-from dmuon_fsdp.stats import StepStats
-from dmuon_fsdp.validation import Option, Options
+from dmuon_fsdp.program import StepRun, StepStats
+from dmuon_fsdp.state import initial_state, restore_state
 
 
 class DMuonFSDP(Optimizer):
@@ -86,7 +91,7 @@ class DMuonFSDP(Optimizer):
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
     ):
-        validation.check_lr(lr)  # before torch looks at params, as torch's own optimizers do
+        check_lr(lr)  # before torch looks at params, as torch's own optimizers do
         self._options = Options(
             ns_dtype, comm_dtype, bucket_bytes, overlap, time_phases, nonfinite, check_grads, overlap_backward
         )
@@ -155,12 +160,10 @@ class DMuonFSDP(Optimizer):
 
         Everything is validated, and torch's own checks run, before anything is registered, so a
         rejected group leaves the optimizer as it was."""
-        new_groups, names = validation.split_group(
+        new_groups, names = split_group(
             param_group, len(self._indexed), self._names, self.defaults, self._route
         )
-        meshes = validation.check_new_groups(
-            new_groups, names, self.defaults, self._muon_meshes, len(self.param_groups)
-        )
+        meshes = check_new_groups(new_groups, names, self.defaults, self._muon_meshes, len(self.param_groups))
         count = len(self.param_groups)
         try:  # torch's checks (e.g. names on every group or none) come last: undo on failure
             for new in new_groups:
@@ -179,7 +182,7 @@ class DMuonFSDP(Optimizer):
     def _set_meshes(self, meshes: dict[Any, str]) -> None:
         """The parameters or their meshes changed: a new exchange site and a new program."""
         self._muon_meshes = meshes
-        self._site = validation.exchange_site(meshes, self._params)
+        self._site = comm.exchange_site(meshes, self._params)
         self._programs.clear()
         self._backward.disarm()
         self._in_backward = self._options.overlap_backward and self._hooks_see_final_grads()
@@ -202,14 +205,17 @@ class DMuonFSDP(Optimizer):
         return True
 
     def _follow_swaps(self) -> None:
-        """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp.swaps``)."""
-        followed = swaps.follow(
-            self.param_groups, self._indexed, self._names, self.state, self._state_written
-        )
-        if followed is not None:
-            self._indexed, self._names = followed.indexed, followed.names
-            self._params = [p for _, p in followed.indexed]
-            self._set_meshes(followed.meshes)
+        """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp.param_groups``);
+        asked before every step, so the common answer (none was) costs one pass of identity checks."""
+        known, groups = iter(self._params), self.param_groups
+        if sum(len(g["params"]) for g in groups) == len(self._params) and all(
+            p is next(known) for g in groups for p in g["params"]
+        ):
+            return
+        followed = follow(groups, self._indexed, self._names, self.state, self._state_written)
+        self._indexed, self._names = followed.indexed, followed.names
+        self._params = [p for _, p in followed.indexed]
+        self._set_meshes(followed.meshes)
 
     def __getstate__(self) -> dict[str, Any]:
         """Torch's (defaults, state, param groups) and DMuonFSDP's options, names and order:
@@ -224,7 +230,7 @@ class DMuonFSDP(Optimizer):
         if fresh:
             self._params = [p for _, p in self._indexed]
             self._programs, self._backward, self._route = ProgramCache(), BackwardStart(), None
-            self._set_meshes(validation.check_new_groups(self.param_groups, self._names, {}, {}))
+            self._set_meshes(check_new_groups(self.param_groups, self._names, {}, {}))
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's state dict (after following any parameters replaced in ``param_groups``)."""
@@ -241,7 +247,7 @@ class DMuonFSDP(Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        validation.check_state_dict(state_dict, self.param_groups, self._names)
+        check_state_dict(state_dict, self.param_groups, self._names)
         # Options added since the state dict was saved (ns_algorithm) keep this optimizer's values.
         groups = [{**group, **saved} for saved, group in zip(state_dict["param_groups"], self.param_groups)]
         hooks, self._optimizer_load_state_dict_pre_hooks = (
@@ -280,7 +286,7 @@ class DMuonFSDP(Optimizer):
         """One step with the program for this step's key (see ``dmuon_fsdp.program``)."""
         groups, options, settings = self.param_groups, self._options, self._settings()
         grads = [p.grad for p in self._params]
-        key = StepKey.of(groups, grads, flags=options.check_grads or options.nonfinite != "ignore")
+        key = StepKey.of(groups, grads, checked=options.check_grads or options.nonfinite != "ignore")
         ready = self._programs.get(key, self._params, groups, self.state, self._names, settings)
         program = ready.program
         if program.in_backward:
@@ -291,9 +297,10 @@ class DMuonFSDP(Optimizer):
             verdict, stats = run.run(local, groups, key, options, ready.agreement), run.stats
         stats.buffer_bytes = self._programs.buffer_bytes
         self.last_step_stats = stats
-        if verdict is Verdict.EXPLAIN:  # every rank raises the same error
-            self._programs.dropped()
-            build.explain(groups, self.state, self._names, settings, shared=program.flags is not None)
+        if verdict is Verdict.RAISE:
+            self._programs.raise_alike(
+                groups, self.state, self._names, settings, shared=program.flags is not None
+            )
         self._state_written |= verdict is Verdict.GO
         if program.in_backward and verdict is not Verdict.REBUILD:
             if self._programs.repeated:  # the next backward starts this program's buckets

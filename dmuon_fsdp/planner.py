@@ -8,7 +8,6 @@ matrix layouts (see ``layouts``) and Newton-Schulz costs (flops of the form each
 from __future__ import annotations
 
 import heapq
-import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ class Plan:
     Forward exchange (gather): each sender of matrix j sends its piece to j's owner. Reverse
     exchange (scatter): the owner sends every rank that holds a piece of j that piece of the
     result, replicas included. Ranks are numbered by exchange-mesh index; how the pieces sit in
-    the buffers of each all-to-all is ``dmuon_fsdp.schedule``'s business.
+    the buffers of each all-to-all is ``dmuon_fsdp.exchange``'s business.
     """
 
     matrices: tuple[MatrixLayout, ...]
@@ -59,13 +58,6 @@ class Plan:
         buckets = [b.matrices for b in self.buckets]
         return zlib.crc32(repr((shapes, self.costs, self.owners, buckets)).encode())
 
-    def loads(self) -> list[int]:
-        """NS flops assigned to each rank."""
-        loads = [0] * self.world_size
-        for cost, owner in zip(self.costs, self.owners):
-            loads[owner] += cost
-        return loads
-
     def elements_moved(self, rank: int) -> int:
         """Elements ``rank`` sends to other ranks in one step, both exchanges together: its
         piece of each matrix it sends to another owner, and every other holder's piece of each
@@ -74,7 +66,7 @@ class Plan:
         Each piece crosses the wire at most once each way: one copy of every matrix reaches its
         owner, and each rank receives exactly the pieces it holds; no schedule that runs each
         matrix's NS on one rank moves less. A cost model: the wire format itself (buffer order,
-        split sizes) is ``dmuon_fsdp.schedule``'s, which checks its totals against this.
+        split sizes) is ``dmuon_fsdp.exchange``'s, which checks its totals against this.
         """
         total = 0
         for j, (m, owner) in enumerate(zip(self.matrices, self.owners)):
@@ -83,48 +75,6 @@ class Plan:
             if owner == rank:
                 total += sum(piece.numel for r, piece in enumerate(m.pieces) if r != rank)
         return total
-
-
-def assignment_lower_bound(costs: Sequence[int], world_size: int) -> float:
-    """Least possible busiest-rank cost when whole matrices are assigned to ranks.
-
-    max(mean load, largest matrix, W-th + (W+1)-th largest): with more than W matrices, two of
-    the W+1 largest share a rank.
-    """
-    ordered = sorted(costs, reverse=True)
-    bound = max(sum(ordered) / world_size, ordered[0] if ordered else 0)
-    if len(ordered) > world_size:
-        bound = max(bound, ordered[world_size - 1] + ordered[world_size])
-    return bound
-
-
-def _bins_needed(costs_desc: Sequence[int], capacity: float) -> int:
-    """Martello-Toth L2 lower bound on the bins of ``capacity`` that hold all items (sorted desc)."""
-    best = 0
-    for alpha in sorted({c for c in costs_desc if c <= capacity / 2} | {0}):
-        big = [c for c in costs_desc if c > capacity - alpha]
-        medium = [c for c in costs_desc if capacity / 2 < c <= capacity - alpha]
-        small = sum(c for c in costs_desc if alpha <= c <= capacity / 2)
-        spare = len(medium) * capacity - sum(medium)
-        best = max(best, len(big) + len(medium) + max(0, math.ceil((small - spare) / capacity)))
-    return best
-
-
-def makespan_lower_bound(costs: Sequence[int], world_size: int) -> float:
-    """A tighter bound than ``assignment_lower_bound``: the least capacity for which the L2 bin
-    packing bound does not exceed ``world_size`` bins (bisection to 0.1%)."""
-    ordered = sorted(costs, reverse=True)
-    low = assignment_lower_bound(ordered, world_size)
-    high = max(low, sum(ordered))
-    if not ordered or _bins_needed(ordered, low) <= world_size:
-        return low
-    while high - low > 1e-3 * low:
-        mid = (low + high) / 2
-        if _bins_needed(ordered, mid) > world_size:
-            low = mid
-        else:
-            high = mid
-    return low
 
 
 def assign_owners(

@@ -1,8 +1,10 @@
 """The step program and its run: one plan's schedule bound to tensors, executed bucket by bucket.
 
-``dmuon_fsdp.build`` makes a program once per plan (every view, into the shared pool of
-``dmuon_fsdp.buffers``); ``run`` executes a step with it, top to bottom, in these phases (the
-names ``StepStats`` and a profiler trace use):
+A ``StepProgram`` holds everything a step of one plan needs on this rank, as parts that each
+know their own few foreach ops (``Copies``, ``Batch``, ``Updates``, ``Stage``, one
+``BucketProgram`` per bucket); ``dmuon_fsdp.cache`` binds it once per plan into the shared
+buffers (``dmuon_fsdp.exchange``). ``StepRun`` executes a step with it, top to bottom, in these
+phases (the names ``StepStats`` and a profiler trace use):
 
 - ``momentum``: a bucket's NS inputs, written straight into its send buffer and own stacks
   (foreach ops; the momentum buffers are only read), and this rank's check flags into the
@@ -23,32 +25,193 @@ shares bucket k's slot, see [Note: slots]); assemble, orthogonalize and launch t
 Bucket k + 2 takes bucket k's way to the owners only after bucket k's results were collected,
 and bucket k's way back is applied before bucket k + 2 is orthogonalized; so ``SLOTS`` sets of
 buffers serve every bucket. The carrier is bucket 0, or for steps begun in backward the first
-bucket launched at ``step`` (``carrier`` of ``dmuon_fsdp.schedule``): gradients' hooks launch
-the buckets before it, which the loop then finds launched. Exchanges are issued in the same
-order on every rank: to the owners 0, 1, back 0, to 2, back 1, ... A steady-state step
-dispatches a fixed number of ops per param group, bucket and NS batch, whatever the number of
-parameters or ranks.
+bucket launched at ``step`` (``RankSchedule.carrier``): gradients' hooks launch the buckets
+before it, which the loop then finds launched. Exchanges are issued in the same order on every
+rank: to the owners 0, 1, back 0, to 2, back 1, ... A steady-state step dispatches a fixed
+number of ops per param group, bucket and NS batch, whatever the number of parameters or ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.autograd.profiler as autograd_profiler
 from torch import Tensor
 
-from dmuon_fsdp import checks, comm, elementwise
-from dmuon_fsdp.buffers import SLOTS
-from dmuon_fsdp.checks import Flags, StepKey, Verdict
-from dmuon_fsdp.layouts import local_shard
-from dmuon_fsdp.parts import AdamWLists, BucketProgram, Entry, MuonLists
+from dmuon_fsdp import comm
+from dmuon_fsdp.checks import (
+    NONFINITE_SLOT,
+    REDO_SLOT,
+    Flags,
+    StepKey,
+    Verdict,
+    agreed,
+    decide,
+    encode,
+    hyper_digest,
+    nonfinite_indicator,
+)
+from dmuon_fsdp.exchange import SLOTS
+from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
+from dmuon_fsdp.normuon import NeuronNorm
 from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.stats import StepStats
+from dmuon_fsdp.state import adamw, input_weight, local_shard, muon_input
 
 if TYPE_CHECKING:
-    from dmuon_fsdp.validation import Options
+    from dmuon_fsdp.options import Options
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A parameter with a gradient this step: its index in the optimizer's flat parameter list
+    (where its gradient is read) and its param group."""
+
+    position: int
+    group: int
+    param: Tensor
+
+
+@dataclass(frozen=True)
+class Copies:
+    """Pairs of views copied by one ``_foreach_copy_`` (dtype conversion included)."""
+
+    dst: list[Tensor]
+    src: list[Tensor]
+
+    def add(self, dst: Tensor, src: Tensor) -> None:
+        self.dst.append(dst)
+        self.src.append(src)
+
+    def run(self) -> None:
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+
+
+@dataclass(frozen=True)
+class NSForm:
+    """How one matrix is orthogonalized: its group's NS settings and the form for its shape;
+    ``neurons``: NorMuon's (beta2, eps) when its group's variant is NorMuon."""
+
+    coefficients: tuple[Coefficients, ...]
+    eps: float
+    segments: tuple[int, ...]
+    neurons: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Matrices of one shape and NS settings (coefficients, eps, form), stacked (B, s, l) and
+    orthogonalized in place."""
+
+    stack: Tensor
+    coefficients: tuple[Coefficients, ...]
+    eps: float
+    segments: tuple[int, ...]
+    work: Workspace
+
+    def orthogonalize(self) -> None:
+        orthogonalize_(self.stack, self.coefficients, self.eps, self.work, self.segments)
+
+
+@dataclass(frozen=True)
+class Updates:
+    """``params -= lr * scale * directions`` on views of local shards, ``lr`` read from param
+    group ``group`` at each step; ``directions`` are views of orthogonalized results, scaled row
+    by row by ``factors`` (views shaped (rows, 1)) for NorMuon's groups."""
+
+    group: int
+    scale: float
+    params: list[Tensor]
+    directions: list[Tensor]
+    factors: list[Tensor] | None = None
+
+    def apply(self, groups: Sequence[dict[str, Any]]) -> None:
+        alpha = -float(groups[self.group]["lr"]) * self.scale
+        if self.factors is None:
+            torch._foreach_add_(self.params, self.directions, alpha=alpha)
+        else:
+            torch._foreach_addcmul_(self.params, self.directions, self.factors, value=alpha)
+
+
+@dataclass(frozen=True)
+class BucketProgram:
+    """One bucket bound to its slot's buffers (see ``dmuon_fsdp.exchange``), in the order a step
+    runs it: ``stage`` makes its NS inputs, ``to_owners`` carries them, ``assemble`` stacks what
+    arrived, ``batches`` (and ``neurons``) orthogonalize, ``collect`` fills the way back,
+    ``from_owners`` returns the results, ``updates`` and ``writes`` apply them."""
+
+    reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
+    needs: tuple[int, ...]  # those of every parameter with a matrix in it, on any rank
+    stage: Stage
+    to_owners: comm.Exchange | None
+    assemble: Copies  # received pieces (and own ones, when staged) into the stacks
+    batches: tuple[Batch, ...]
+    neurons: NeuronNorm | None  # NorMuon on the owned matrices of NorMuon's groups
+    collect: Copies  # results into the return buffer (and own ones into the way back's arena)
+    from_owners: comm.Exchange | None
+    updates: tuple[Updates, ...]
+    writes: Copies  # NorMuon's new second moments into the holders' state
+
+
+@dataclass(frozen=True)
+class NSInputs:
+    """Where some matrices' Newton-Schulz inputs are written: their send-buffer or stack views
+    themselves (shaped like the local shards), or scratch copies of the shards that
+    their ``Stage`` spreads into place. ``grads`` index the step's local gradients; ``group``
+    is the param group whose momentum and nesterov apply."""
+
+    group: int
+    grads: tuple[int, ...]
+    buffers: list[Tensor]  # momentum buffers, read
+    destinations: list[Tensor]
+    in_place: bool  # destinations have the buffers' dtype: compute in them
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A bucket's NS inputs: written straight where they travel (a parameter whose shard is one
+    piece sent whole), or made whole in scratch copies that ``spread`` copies into place (with
+    NorMuon's second moments of the rows that travel)."""
+
+    inputs: tuple[NSInputs, ...]
+    spread: Copies
+
+    def run(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
+        """Write the inputs; the momentum buffers are only read (``commit`` updates them after
+        the verdict)."""
+        for inputs in self.inputs:
+            group = groups[inputs.group]
+            weight = input_weight(group["momentum"], group["nesterov"])
+            mine = [grads[i] for i in inputs.grads]
+            muon_input(inputs.destinations, inputs.buffers, mine, weight, inputs.in_place)
+        self.spread.run()
+
+
+@dataclass(frozen=True)
+class MuonLists:
+    """One Muon param group's tensors; ``grads`` index the step's local gradients."""
+
+    group: int
+    grads: tuple[int, ...]
+    params: list[Tensor]
+    buffers: list[Tensor]
+
+
+@dataclass(frozen=True)
+class AdamWLists:
+    group: int
+    grads: tuple[int, ...]
+    params: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    steps: list[Tensor]
+    kernel: dict[str, bool]
 
 
 @dataclass(frozen=True)
@@ -107,12 +270,12 @@ class StepProgram:
         non-finite indicator when that check is on."""
         indicator = None
         if nonfinite != "ignore" and local is not None:
-            indicator = checks.nonfinite_indicator(local, self.found, self.one)
+            indicator = nonfinite_indicator(local, self.found, self.one)
         if self.flags is not None:
             send = self.buckets[self.carrier].to_owners.send
             if local is None or key != self.key or redo:
                 invalid = key == self.key and local is None
-                found = checks.encode(key.digest ^ hyper, invalid=invalid, redo=redo)
+                found = encode(key.digest ^ hyper, invalid=invalid, redo=redo)
                 values = torch.tensor(found, dtype=send.dtype, device=send.device)
             else:
                 values = self.flags.values_for(key.digest ^ hyper)
@@ -142,15 +305,15 @@ class StepProgram:
             with stats.phase("wait"):
                 summary = wait(carrier)[self.flags.receive].amax(0).tolist()
         else:
-            summary = checks.encode(expected, invalid=local is None, redo=redo)
+            summary = encode(expected, invalid=local is None, redo=redo)
             if indicator is not None and changed is not None:  # one read for both
                 both = torch.cat([indicator, changed]).tolist()
-                summary[checks.NONFINITE_SLOT], summary[checks.REDO_SLOT] = both
+                summary[NONFINITE_SLOT], summary[REDO_SLOT] = both
             elif indicator is not None:
-                summary[checks.NONFINITE_SLOT] = indicator.item()
+                summary[NONFINITE_SLOT] = indicator.item()
             elif changed is not None:
-                summary[checks.REDO_SLOT] = changed.item()
-        return checks.decide(summary, expected, options.nonfinite, options.check_grads)
+                summary[REDO_SLOT] = changed.item()
+        return decide(summary, expected, options.nonfinite, options.check_grads)
 
     def decay(self, groups: Sequence[dict[str, Any]], stats: StepStats) -> None:
         """Decoupled weight decay of the Muon parameters, after a ``GO`` and before any update."""
@@ -164,7 +327,7 @@ class StepProgram:
         with stats.phase("adamw"):
             for lists in self.adamw:
                 mine = [grads[i] for i in lists.grads]
-                elementwise.adamw(
+                adamw(
                     lists.params,
                     mine,
                     lists.exp_avgs,
@@ -226,12 +389,12 @@ class StepRun:
         """The step from where it is (see [Note: the bucket loop]); returns the verdict all ranks
         share. Nothing is committed unless it is ``GO``. ``local``: this rank's gradients (None
         when they do not fit the program: the flags say so); ``agreement``: on the step key,
-        under way (``checks.key_agreement``), read before the first exchange; ``redo``, or
+        under way (``key_agreement``), read before the first exchange; ``redo``, or
         ``changed`` on the device: this rank's gradients changed after a bucket started in
         backward (the flags ask every rank to run the step again)."""
         program, stats = self.program, self.stats
         n, carrier = len(program.buckets), program.carrier
-        hyper = checks.hyper_digest(groups) if program.flags is not None else 0  # every rank's alike?
+        hyper = hyper_digest(groups) if program.flags is not None else 0  # every rank's alike?
         made = None if redo else local  # a rank that will ask for a redo makes nothing
         indicator = None
         verdict = Verdict.GO
@@ -245,8 +408,8 @@ class StepRun:
                         indicator = program.write_flags(key, hyper, local, options.nonfinite, redo, changed)
                 if agreement is not None:
                     with stats.phase("wait"):
-                        if not checks.agreed(agreement, key.digest):  # every rank's exchanges would differ
-                            return self.abandon(Verdict.EXPLAIN)
+                        if not agreed(agreement, key.digest):  # every rank's exchanges would differ
+                            return self.abandon(Verdict.RAISE)
                     agreement = None
                 self.start(self.launched, None, groups)
             if k == carrier:
@@ -334,3 +497,82 @@ class StepRun:
             if k >= SLOTS:
                 wait(self.from_owners.pop(k - SLOTS))
         self.settle()
+
+
+# The phases of a step, in order (``dmuon_fsdp.program`` says what each does); ``wait`` recurs.
+PHASES = ("momentum", "wait", "commit", "adamw", "assemble", "newton_schulz", "return", "apply")
+
+
+@dataclass
+class StepStats:
+    """What one rank did in one step.
+
+    ``skipped`` is True when ``nonfinite="skip"`` skipped the step (nothing else is counted
+    then). Counted for every step that ran: ``ns_matrices`` (matrices this rank orthogonalized,
+    counted as each batch runs), ``ns_flops`` (their Newton-Schulz flops), ``bytes_sent`` and
+    ``bytes_received`` (matrix pieces to and from other ranks, both exchanges; the check flags
+    riding in one exchange, ``flag_bytes`` each way, and NorMuon's row statistics, one or two
+    numbers per row, are not included),
+    ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers the optimizer keeps
+    between steps: the two slots' exchange buffers, stacks of owned matrices, staging and scratch
+    copies, and the NS workspace, which every bucket and every kept program share:
+    ``dmuon_fsdp.exchange``).
+    With ``timed=True``, ``seconds[phase]`` holds the wall time of each of ``PHASES`` (``wait``:
+    blocked on all-to-all, summed over the step). On accelerators, timing synchronizes the device
+    at every phase boundary, which removes the overlap of exchange and NS: time whole steps with
+    timing off.
+
+    With ``overlap_backward``: ``started_in_backward`` counts the buckets whose NS inputs and
+    exchange to owners began in backward, and ``redone`` is True when the step was redone from
+    gradients that changed after backward began it (the count is then the redone step's, 0).
+    Phase times leave out the work done in hooks (it is labelled in a profiler trace).
+    """
+
+    device: torch.device
+    timed: bool = False
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    ns_matrices: int = 0
+    ns_flops: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    flag_bytes: int = 0
+    collectives: int = 0
+    buffer_bytes: int = 0
+    skipped: bool = False
+    started_in_backward: int = 0
+    redone: bool = False
+
+    def count(
+        self, ns_flops: int, bytes_sent: int, bytes_received: int, flag_bytes: int, collectives: int
+    ) -> None:
+        """What the step program does every step (``StepProgram.counts``)."""
+        self.ns_flops, self.bytes_sent, self.bytes_received = ns_flops, bytes_sent, bytes_received
+        self.flag_bytes, self.collectives = flag_bytes, collectives
+
+    def _sync(self) -> None:
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+
+    @contextmanager
+    def label(self, name: str) -> Iterator[None]:
+        """Label ``dmuon_fsdp.<name>`` in a profiler trace (only while a profiler runs: a label
+        costs two dispatched ops), untimed: as for work in backward's hooks, where timing's
+        device synchronization would wait on other ranks."""
+        profiling = autograd_profiler._is_profiler_enabled  # torch's fast check for this purpose
+        with autograd_profiler.record_function(f"dmuon_fsdp.{name}") if profiling else nullcontext():
+            yield
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Label the phase ``dmuon_fsdp.<name>`` and time it when ``timed``."""
+        with self.label(name):
+            if not self.timed:
+                yield
+                return
+            self._sync()
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._sync()
+                self.seconds[name] += time.perf_counter() - start

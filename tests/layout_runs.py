@@ -5,13 +5,13 @@ orthogonalized once in the job, the bytes the plan predicts, no gathers)."""
 from __future__ import annotations
 
 import torch
-from instruments import CollectiveCalls
 from reference import reference_muon_step, relative_error
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.buffers import SLOTS
+from dmuon_fsdp.exchange import SLOTS
+from instruments.counters import CollectiveCalls
 
 # "auto" runs (5, 16), the conv (6, 27) and (8, 40) in the Gram form and (13, 9), (9, 13) in the
 # standard one, so every layout of test_meshes runs both forms; the reference is standard

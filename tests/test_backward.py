@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dmuon_fsdp
 from dmuon_fsdp import DMuonFSDP, param_groups
-from dmuon_fsdp.buffers import SLOTS
+from dmuon_fsdp.exchange import SLOTS
 
 
 def fsdp_equal(rank, world_size, ns_algorithm, variant="muon"):

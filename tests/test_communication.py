@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from instruments import CollectiveCalls, HostReads
 from paired_runs import DIMS, inputs, sharded
 from spawn import run_ranks
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.buffers import SLOTS
 from dmuon_fsdp.checks import FLAG_ELEMENTS
-from dmuon_fsdp.stats import PHASES
+from dmuon_fsdp.exchange import SLOTS
+from dmuon_fsdp.program import PHASES
+from instruments.counters import CollectiveCalls, HostReads
 
 
 def expected_splits(plan, rank, world, flags):
@@ -147,7 +147,7 @@ def released_after_wait(rank, world_size):
 
     from dmuon_fsdp import comm
 
-    group = comm.exchange_group(range(world_size)).group
+    group = comm.exchange_group(range(world_size)).process_group
     held = 0
     for trial in range(200):
         send = torch.full((world_size * 3,), float(rank + trial))
@@ -195,7 +195,7 @@ def released_with_a_shared_arena(rank, world_size):
 
     from dmuon_fsdp import comm
 
-    group = comm.exchange_group(range(world_size)).group
+    group = comm.exchange_group(range(world_size)).process_group
     arena = torch.zeros(64 * world_size)
     held, slowest = 0, 0.0
     for trial in range(50):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import checkpoints
 import pytest
 import torch
-from instruments import OpCounter
 from layout_runs import check, full, train
 from moe import moe_block
 from reference import relative_error
@@ -16,6 +15,7 @@ from spawn import run_ranks
 from torch import nn
 
 from dmuon_fsdp import DMuonFSDP, param_groups
+from instruments.counters import OpCounter
 
 # step -> (use the MoE block, dead expert): a dead expert gets a zero gradient, a skipped block none.
 SCHEDULE = [(True, None), (False, None), (True, 0), (True, None)]

@@ -14,13 +14,13 @@ from dmuon_fsdp.newton_schulz import (
     Workspace,
     gram_segments,
     newton_schulz,
-    newton_schulz_flops,
     ns_segments,
     orthogonalize_,
     resolve_coefficients,
     segments_flops,
     standard_segments,
 )
+from instruments.plans import newton_schulz_flops
 
 
 @pytest.mark.parametrize("shape", [(8, 32), (32, 8), (16, 16), (1, 5), (5, 1)])

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.layouts import chunk_row_counts
+from instruments.plans import chunk_row_counts
 
 NORMUON = dict(variant="normuon", normuon_beta2=0.9, normuon_eps=1e-6)
 # Fused QKV rows cut at 5 and 9 (over 4 ranks: 4, 4, 4, 1 rows), 2 heads of 6 rows, an expert stack

@@ -11,14 +11,16 @@ import pytest
 import torch
 from models import LLAMA_SHAPES
 
-from dmuon_fsdp.layouts import MatrixLayout, Piece, chunk_row_counts, replicated
-from dmuon_fsdp.newton_schulz import newton_schulz_flops
-from dmuon_fsdp.planner import (
-    assign_owners,
+from dmuon_fsdp.layouts import MatrixLayout, Piece
+from dmuon_fsdp.planner import assign_owners, bucket_shares, build_plan
+from instruments.plans import (
     assignment_lower_bound,
-    bucket_shares,
-    build_plan,
+    chunk_row_counts,
     makespan_lower_bound,
+    newton_schulz_flops,
+    rank_loads,
+    replicated,
+    row_sharded_layout,
 )
 
 
@@ -33,8 +35,7 @@ def costs(matrices):
 
 def layouts(shapes, world_size):
     return [
-        MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world_size))
-        for i, (r, c) in enumerate(shapes)
+        row_sharded_layout(f"m{i}", r, c, chunk_row_counts(r, world_size)) for i, (r, c) in enumerate(shapes)
     ]
 
 
@@ -98,7 +99,7 @@ def test_llama_buckets_spread_over_every_owner_within_the_bound(model, world_siz
     matrices = layouts(LLAMA_SHAPES[model], world_size)
     plan = plan_for(matrices, world_size, 128 * 2**20, 2)
     check_buckets(plan, 64 * 2**20)
-    loads = plan.loads()
+    loads = rank_loads(plan)
     assert max(loads) <= 1.05 * makespan_lower_bound(costs(matrices), world_size)
 
 
@@ -136,7 +137,7 @@ def test_plans_identical_across_simulated_ranks():
 def test_busiest_rank_near_assignment_lower_bound(model, world_size):
     matrices = layouts(LLAMA_SHAPES[model], world_size)
     plan = plan_for(matrices, world_size, 2**30, 2)
-    loads = plan.loads()
+    loads = rank_loads(plan)
     bound = assignment_lower_bound(costs(matrices), world_size)
     assert sum(loads) == sum(costs(matrices))
     assert max(loads) <= 1.05 * bound, f"busiest {max(loads)} vs bound {bound}"
@@ -150,16 +151,16 @@ def test_lower_bound_terms():
 
 def test_rejects_pieces_that_do_not_tile_the_matrix():
     with pytest.raises(ValueError, match="'w'.*2 ranks"):
-        plan_for([MatrixLayout.row_sharded("w", 5, 3, (2, 3))], 3, 2**20, 4)
+        plan_for([row_sharded_layout("w", 5, 3, (2, 3))], 3, 2**20, 4)
     with pytest.raises(ValueError, match="'w'.*replica 0 hold 12 elements, not 15"):
-        plan_for([MatrixLayout.row_sharded("w", 5, 3, (2, 2))], 2, 2**20, 4)
+        plan_for([row_sharded_layout("w", 5, 3, (2, 2))], 2, 2**20, 4)
 
 
 @pytest.mark.parametrize("replicas,shards", [(2, 2), (3, 2), (2, 3)])
 def test_replicated_matrices_gather_one_copy_and_scatter_to_all(replicas, shards):
     world = replicas * shards
     matrices = [
-        replicated(MatrixLayout.row_sharded(f"m{i}", 7 + i, 5, chunk_row_counts(7 + i, shards)), replicas)
+        replicated(row_sharded_layout(f"m{i}", 7 + i, 5, chunk_row_counts(7 + i, shards)), replicas)
         for i in range(2 * world)
     ]
     plan = plan_for(matrices, world, 2**20, 4)
@@ -226,7 +227,7 @@ def test_l2_bound_explains_the_70b_case_at_256_ranks():
     # must take the squares; the simple bound cannot see this, the bin-packing bound can.
     matrices = layouts(LLAMA_SHAPES["llama3-70b"], 256)
     flops = costs(matrices)
-    busiest = max(plan_for(matrices, 256, 2**40, 2).loads())
+    busiest = max(rank_loads(plan_for(matrices, 256, 2**40, 2)))
     assert busiest > 1.15 * assignment_lower_bound(flops, 256)
     assert busiest <= 1.001 * makespan_lower_bound(flops, 256)
 
@@ -239,7 +240,7 @@ def test_replicated_experts_are_owned_where_they_live():
     experts = []
     for e in range(4):
         counts = [rows if s == e else 0 for s in range(4)]
-        experts.append(replicated(MatrixLayout.row_sharded(f"e{e}", rows, cols, counts), 2))
+        experts.append(replicated(row_sharded_layout(f"e{e}", rows, cols, counts), 2))
     plan = plan_for(experts, world, 2**20, 4)
     for e, owner in enumerate(plan.owners):
         assert owner in (e, 4 + e)

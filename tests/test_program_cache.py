@@ -11,7 +11,6 @@ import weakref
 
 import pytest
 import torch
-from instruments import CollectiveCalls
 from layout_runs import check, train
 from moe import given_loss
 from spawn import run_ranks
@@ -20,8 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.build import AGREE_UNTIL_STEADY, PROGRAMS_KEPT
+from dmuon_fsdp.cache import AGREE_UNTIL_STEADY, PROGRAMS_KEPT
 from dmuon_fsdp.checks import GradientMismatchError
+from instruments.counters import CollectiveCalls
 
 SHAPES = {"a": (7, 5), "b": (6, 4), "c": (6, 4), "d": (5, 9), "e": (3, 8), "f": (9, 3)}
 

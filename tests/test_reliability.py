@@ -222,7 +222,7 @@ def test_a_group_torch_rejects_leaves_the_optimizer_unchanged():
 
 def divergent_inputs(rank, world_size, case):
     """Inputs that differ on one rank only: every rank must raise the same error, nothing stepped."""
-    from instruments import CollectiveCalls
+    from instruments.counters import CollectiveCalls
 
     torch.manual_seed(0)
     weights = {f"w{i}": nn.Parameter(torch.randn(8, 8)) for i in range(4)}

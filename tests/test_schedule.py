@@ -7,10 +7,10 @@ import random
 import pytest
 
 from dmuon_fsdp.checks import FLAG_ELEMENTS
-from dmuon_fsdp.layouts import EMPTY, MatrixLayout, Piece, chunk_row_counts, replicated
-from dmuon_fsdp.newton_schulz import newton_schulz_flops
+from dmuon_fsdp.exchange import check, rank_schedule
+from dmuon_fsdp.layouts import EMPTY, MatrixLayout, Piece
 from dmuon_fsdp.planner import build_plan
-from dmuon_fsdp.schedule import check, rank_schedule
+from instruments.plans import chunk_row_counts, newton_schulz_flops, replicated, row_sharded_layout
 
 
 def plan_for(matrices, world_size, bucket_bytes, element_size):
@@ -23,9 +23,7 @@ def costs(matrices):
 
 
 def row_sharded(shapes, world):
-    return [
-        MatrixLayout.row_sharded(f"m{i}", r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)
-    ]
+    return [row_sharded_layout(f"m{i}", r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)]
 
 
 def column_blocks(rows, cols, world):
@@ -78,7 +76,7 @@ def test_every_segment_matches_the_peer_that_reads_it(kind, world):
                     assert send.send[position[b]] == receive.receive[position[a]], (k, wire, a, b)
                     assert send.send_counts[position[b]] == receive.receive_counts[position[a]]
                     flags = FLAG_ELEMENTS if (wire == "to_owners" and k == 0 and world > 1) else 0
-                    assert send.flags == flags
+                    assert send.flag_elements == flags
                     total_sent += sum(t.piece.numel for t in send.send[position[b]])
     kept = sum(m.pieces[o].numel for m, o in zip(plan.matrices, plan.owners))
     forward = sum(m.numel for m in plan.matrices) - kept
@@ -96,9 +94,9 @@ def test_flags_ride_in_the_carriers_exchange_only(world, carrier):
     assert len(plan.buckets) == 3
     for r in range(world):
         buckets = rank_schedule(plan, r, range(world), FLAG_ELEMENTS, carrier).buckets
-        carried = [k for k, b in enumerate(buckets) if b.to_owners is not None and b.to_owners.flags]
+        carried = [k for k, b in enumerate(buckets) if b.to_owners is not None and b.to_owners.flag_elements]
         assert carried == [carrier]
-        assert buckets[carrier].to_owners.flags == FLAG_ELEMENTS
+        assert buckets[carrier].to_owners.flag_elements == FLAG_ELEMENTS
     with pytest.raises(ValueError, match="carrier 3"):
         rank_schedule(plan, 0, range(world), FLAG_ELEMENTS, 3)
 

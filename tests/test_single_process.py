@@ -14,7 +14,7 @@ from torch import nn
 
 from dmuon_fsdp import MUON_COEFFICIENTS, POLAR_EXPRESS, DMuonFSDP, param_groups
 from dmuon_fsdp.newton_schulz import gram_segments, resolve_coefficients, segments_flops, standard_segments
-from dmuon_fsdp.stats import PHASES
+from dmuon_fsdp.program import PHASES
 
 
 def test_plain_tensors_without_process_group_match_reference():
@@ -379,8 +379,7 @@ def test_profiler_trace_shows_the_step_phases():
 
 
 def _ops_and_reads(blocks, **options):
-    from instruments import HostReads, OpCounter
-
+    from instruments.counters import HostReads, OpCounter
     from recipes.model import Transformer, preset
 
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ and C its columns:
     O_hat = O / (sqrt(v) + eps) * ||O||_F / ||O / (sqrt(v) + eps)||_F
 
 then Muon's step size, weight decay and update with O_hat in place of O. Here it runs on the
-owner, which holds the whole matrix, so the statistics are exact: ``v`` is optimizer state placed
+owner, which holds the whole matrix, so the per-row numbers are exact: ``v`` is optimizer state placed
 like the parameter's rows (``second_moment_like``), the holders send the owner their rows' ``v``
 with their pieces and get the new ``v`` back with the result, and O_hat is applied as O times
 a per-row factor (``NeuronNorm``: the rows' norms, one op per batch orientation, then foreach ops

@@ -1,6 +1,7 @@
-"""Element-wise optimizer math on local shards, as foreach ops over lists: the optimizer state
-each parameter holds, what Muon orthogonalizes, its step size, and AdamW through
-``torch.optim``'s own functional implementation. No communication."""
+"""The optimizer state each parameter holds, on this rank's local shard (``local_shard``), and
+the element-wise math on it as foreach ops over lists: the state made and restored, what Muon
+orthogonalizes, its step size, and AdamW through ``torch.optim``'s own functional
+implementation. No communication."""
 
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as torch_adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-from dmuon_fsdp.neurons import STATE_KEY, row_dims, second_moment_like
+from dmuon_fsdp.normuon import STATE_KEY, row_dims, second_moment_like
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """This rank's part of a DTensor (in-place ops on it update the DTensor), or a plain tensor
+    itself. Reads the local tensor directly: ``to_local()`` on a parameter returns a new view
+    per call, one aten op per parameter on every step."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def state_keys(group: dict[str, Any]) -> tuple[str, ...]:

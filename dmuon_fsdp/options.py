@@ -1,6 +1,6 @@
-"""Checks of options, param groups, hyper-parameters and saved state: clear errors before
-anything runs. Also the record of the optimizer-wide options and the attributes that expose
-them (``Options``, ``Option``)."""
+"""The optimizer's options and their checks: the record of the optimizer-wide options and the
+attributes that expose them (``Options``, ``Option``), and the checks of param groups,
+hyper-parameters and saved state that give clear errors before anything runs."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
-from dmuon_fsdp import comm, layouts
+from dmuon_fsdp import comm
 from dmuon_fsdp.checks import NONFINITE_POLICIES
-from dmuon_fsdp.elementwise import state_keys
 from dmuon_fsdp.layouts import describe_params
-from dmuon_fsdp.neurons import STATE_KEY, VARIANTS, row_dims
 from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
+from dmuon_fsdp.normuon import STATE_KEY, VARIANTS, row_dims
+from dmuon_fsdp.state import state_keys
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -281,33 +281,5 @@ def check_new_groups(
                 continue
             describe_params([(p, name, merged)])  # raises for unsupported layouts
             meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
-    exchange_ranks(meshes)
+    comm.exchange_ranks(meshes)
     return meshes
-
-
-def exchange_ranks(meshes: dict[Any, str]) -> tuple[int, ...]:
-    """The global ranks Muon matrices move between, in plan order, for the meshes ``meshes`` (mesh
-    -> a parameter's name on it) that Muon parameters live on: the ranks linked by copies of
-    them (``layouts.exchange_ranks``), each mesh's copies holding every one of them once.
-    Plain tensors (None) move between every rank of the job, and cannot mix with DTensors."""
-    if None in meshes and len(meshes) > 1:
-        mesh, name = next((m, n) for m, n in meshes.items() if m is not None)
-        raise ValueError(
-            f"{meshes[None]} is a plain tensor but {name} is a DTensor on {mesh}: all Muon parameters "
-            "must be DTensors, or all plain tensors"
-        )
-    if not meshes or None in meshes:
-        return tuple(range(comm.default_world_size()))
-    ranks = layouts.exchange_ranks(meshes, comm.default_rank())
-    for mesh, name in meshes.items():
-        layouts.copies_over(mesh, ranks, name)  # every mesh holds each of the ranks once
-    return ranks
-
-
-def exchange_site(meshes: dict[Any, str], params: list[Tensor]) -> comm.ExchangeSite:
-    """Where a step's exchanges and checks run: between the Muon parameters' ranks, or without
-    Muon parameters those of the first DTensor's mesh (plain tensors: every rank)."""
-    if not meshes:
-        first = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
-        meshes = {first: ""}
-    return comm.ExchangeSite(exchange_ranks(meshes), [m for m in meshes if m is not None])

@@ -112,7 +112,9 @@ def measure(names: list[str], model: torch.nn.Module, steps: int, warmup: int) -
     for name, opt in optimizers.items():
         times, inside = result[name].pop("times"), result[name].pop("in_collectives")
         result[name]["host_ms"] = statistics.median(times) * 1e3
-        result[name]["outside_collectives_ms"] = statistics.median(t - c for t, c in zip(times, inside)) * 1e3
+        result[name]["outside_collectives_ms"] = (
+            statistics.median(t - c for t, c in zip(times, inside, strict=True)) * 1e3
+        )
         if isinstance(opt, DMuonFSDP):  # the Newton-Schulz share, timed separately
             opt.time_phases = True
             ns = []

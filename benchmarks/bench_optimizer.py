@@ -153,10 +153,10 @@ def dmuon_breakdown(model, ns_dtype, steps, device, world) -> dict:
     mine = torch.tensor([*seconds, *counts, floor], dtype=torch.float64, device=device)
     everyone = []
     for row in comm.all_rows(mine, dist.group.WORLD).tolist():
-        numbers = dict(
-            zip(("ns_flops", "bytes_sent", "bytes_received", "bytes_bound"), map(int, row[len(PHASES) :]))
-        )
-        everyone.append({"seconds": dict(zip(PHASES, row)), **numbers, "floor_s": row[-1]})
+        counts = ("ns_flops", "bytes_sent", "bytes_received", "bytes_bound")
+        numbers = dict(zip(counts, map(int, row[len(PHASES) : -1]), strict=True))  # the floor is last
+        seconds = dict(zip(PHASES, row[: len(PHASES)], strict=True))
+        everyone.append({"seconds": seconds, **numbers, "floor_s": row[-1]})
     return {"ranks": everyone, "buckets": len(plan.buckets), "matrices": len(plan.matrices)}
 
 

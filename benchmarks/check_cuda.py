@@ -51,7 +51,7 @@ def float64_reference() -> dict[str, torch.Tensor]:
     params = {n: torch.nn.Parameter(p.double()) for n, p in _initial().items()}
     opt = DMuonFSDP(list(params.items()), ns_dtype=torch.float64, **OPTIONS)
     for step in range(STEPS):
-        for n, p in params.items():
+        for _n, p in params.items():
             p.grad = _gradient(step, p.shape)
         opt.step()
     return {n: p.detach() for n, p in params.items()}
@@ -69,7 +69,7 @@ def run(layout: str, ns_dtype: torch.dtype, device: torch.device, expected: dict
     params = dict(module.items())
     opt = DMuonFSDP(list(params.items()), ns_dtype=ns_dtype, **OPTIONS)
     for step in range(STEPS):
-        for n, p in params.items():
+        for p in params.values():
             g = _gradient(step, p.shape).to(device, torch.float32)
             p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
         opt.step()
@@ -100,7 +100,7 @@ def overlap_against_plain(device: torch.device) -> tuple[float, int]:
             opt.step()
             opt.zero_grad()
         trained.append([_full(p).detach().double().cpu() for p in model.parameters()])
-    difference = max(((a - b).norm() / a.norm()).item() for a, b in zip(*trained))
+    difference = max(((a - b).norm() / a.norm()).item() for a, b in zip(*trained, strict=True))
     return difference, opt.last_step_stats.started_in_backward
 
 

@@ -77,9 +77,7 @@ def layer_shapes(scale: int) -> list[tuple[int, int]]:
 
 def matmul_flops(func, args) -> int:
     """2 x multiply-adds of one matmul call (the batch included)."""
-    if func in (_aten.mm.default, _aten.mm.out):
-        a, b = args[0], args[1]
-    elif func in (_aten.bmm.default, _aten.bmm.out):
+    if func in (_aten.mm.default, _aten.mm.out) or func in (_aten.bmm.default, _aten.bmm.out):
         a, b = args[0], args[1]
     else:  # addmm / baddbmm: (input, a, b)
         a, b = args[1], args[2]

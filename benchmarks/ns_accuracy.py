@@ -123,7 +123,7 @@ def search(shapes: dict, args: argparse.Namespace) -> list[dict]:
         ratios = defaultdict(list)
         for matrices in shapes.values():
             standard, *grams = errors(matrices, triples, dtype, [standard_segments(n), *forms])
-            for segments, gram in zip(forms, grams):
+            for segments, gram in zip(forms, grams, strict=True):
                 ratios[segments].append(gram / standard)
         default = gram_segments(triples, dtype)
         ranked = sorted(forms, key=lambda f: max(ratios[f]))

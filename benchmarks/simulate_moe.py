@@ -151,7 +151,7 @@ def moe_scale(stacks: list[Stack], world: int, ep: int, args: argparse.Namespace
     # sends every other holder's piece back.
     sent = [0] * world
     outside = 0
-    for m, holder, expert, owner in zip(layouts, holders, is_expert, plan.owners):
+    for m, holder, expert, owner in zip(layouts, holders, is_expert, plan.owners, strict=True):
         for r in holder:
             if r != owner:
                 sent[r] += m.pieces[r].numel

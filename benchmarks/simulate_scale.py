@@ -108,7 +108,7 @@ def plot(results: dict, path: Path, title: str) -> None:
     for i, (model, rows) in enumerate(results.items()):
         color = f"C{i}"
         ws = [r["world"] for r in rows]
-        for algorithm, marker in zip(rows[0]["dmuon_ms"], "os^"):
+        for algorithm, marker in zip(rows[0]["dmuon_ms"], "os^"[: len(rows[0]["dmuon_ms"])], strict=True):
             ax.plot(
                 ws,
                 [r["dmuon_ms"][algorithm] for r in rows],

@@ -205,7 +205,7 @@ class BackwardStart:
             with self._side.on(), run.stats.label("momentum"):
                 run.start(k, progress.grads, self._groups)
                 progress.norms += torch._foreach_norm(grads, dtype=torch.float32) if grads else []
-            progress.used.update((i, (g, g._version)) for i, g in zip(read, grads))
+            progress.used.update((i, (g, g._version)) for i, g in zip(read, grads, strict=True))
 
     def _settle(self, progress: Progress | None) -> None:
         """Bring a step that will not be completed to where every rank's is (whatever its hooks

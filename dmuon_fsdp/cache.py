@@ -252,7 +252,7 @@ def _forms(
 ) -> list[NSForm]:
     """Each matrix's form, from the options of its parameter's group (``groups[j]``)."""
     out = []
-    for m, group in zip(matrices, groups):
+    for m, group in zip(matrices, groups, strict=True):
         coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         segments = ns_segments(group["ns_algorithm"], coefficients, dtype, m.rows, m.cols)
         neurons = (
@@ -270,11 +270,15 @@ def plan_program(
     """A new plan for ``key`` and this rank's schedule; with a check on, one ``all_reduce``
     tells every rank of any rank's trouble and (with ``check_grads``) that all built the same
     plan."""
-    muon = [(g, p) for (g, p), has in zip(indexed(groups), key.has_grad) if has and groups[g]["use_muon"]]
+    muon = [
+        (g, p)
+        for (g, p), has in zip(indexed(groups), key.has_grad, strict=True)
+        if has and groups[g]["use_muon"]
+    ]
     described = [(p, names[p], groups[g]) for g, p in muon]
     layouts, param_of = describe_params(described, settings.site.ranks)
     forms = _forms(layouts, [described[i][2] for i in param_of], settings.ns_dtype)
-    costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms)]
+    costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms, strict=True)]
     site = settings.site.group
     plan = build_plan(
         layouts,
@@ -288,7 +292,8 @@ def plan_program(
     shared = key.checked and site.process_group is not None
     if shared:
         identities = [
-            (f"{m.name} ({m.rows}x{m.cols})", m.pieces, m.replicas, cost) for m, cost in zip(layouts, costs)
+            (f"{m.name} ({m.rows}x{m.cols})", m.pieces, m.replicas, cost)
+            for m, cost in zip(layouts, costs, strict=True)
         ]
         trouble = agree_on_plan(
             trouble,
@@ -347,7 +352,11 @@ def bind(
 ) -> StepProgram:
     """Make every view a step of ``plan`` needs on this rank, into ``pool`` (grown first when it
     is too small; ``forms``: each matrix's NS form, as ``plan_program`` worked it out)."""
-    entries = [Entry(i, g, p) for i, ((g, p), has) in enumerate(zip(indexed(groups), key.has_grad)) if has]
+    entries = [
+        Entry(i, g, p)
+        for i, ((g, p), has) in enumerate(zip(indexed(groups), key.has_grad, strict=True))
+        if has
+    ]
     binder = _Binder(plan, forms, schedule, entries, groups, state, settings, pool)
     if not pool.fits(binder.needed):  # measured only: bind again into arenas of the sizes asked
         pool.grow(binder.needed)
@@ -424,7 +433,9 @@ class _Binder:
             for (s, l, form), batch in self.members(bucket.owned).items()
         ]
         self.workspace = (
-            tuple(work.take(max(size), settings.ns_dtype) for size in zip(*sizes)) if sizes else None
+            tuple(work.take(max(size), settings.ns_dtype) for size in zip(*sizes, strict=True))
+            if sizes
+            else None
         )
         self.needed[WORK, 0] = work.used
         self.buckets = tuple(self.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
@@ -468,7 +479,7 @@ class _Binder:
                 matrix_views[j] = stack[b].mT if self.tall(j) else stack[b]
             if form.neurons is not None:
                 shapes = [(self.plan.matrices[j].rows, self.plan.matrices[j].cols) for j in members]
-                normed.append((stack, dict(zip(members, shapes)), form.neurons))
+                normed.append((stack, dict(zip(members, shapes, strict=True)), form.neurons))
         bound = bind_neurons(normed, self.settings.ns_dtype, back.take)
         if bound is None:
             return tuple(batches), matrix_views, None, {}
@@ -518,7 +529,7 @@ class _Binder:
                 assemble.add(as_wire(owner_rows(slot.transfer)[0], comm_dtype), slot.per_row)
         own = list(bucket.own_pieces)
         if self.staged:
-            for t, piece in zip(own, kept(own, comm_dtype, to)):
+            for t, piece in zip(own, kept(own, comm_dtype, to), strict=True):
                 feeds.append((piece, t))
                 assemble.add(region(t), piece)
         else:
@@ -556,11 +567,11 @@ class _Binder:
         if self.staged or k + SLOTS < len(self.schedule.buckets):
             # through the wire's dtype (replicas round results alike), or kept from being overwritten
             copies = kept(results, comm_dtype if self.staged else ns_dtype, back)
-            for t, piece in zip(results, copies):
+            for t, piece in zip(results, copies, strict=True):
                 collect.add(piece, region(t))
         else:
             copies = [region(t) for t in results]
-        for t, direction in zip(results, copies):
+        for t, direction in zip(results, copies, strict=True):
             moments = ()
             if t.per_row:
                 v, f = owner_rows(t)

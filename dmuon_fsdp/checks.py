@@ -275,7 +275,7 @@ def _rows(
     row = torch.zeros(max(width, 1), dtype=dtype, device=device)
     row[: len(values)] = torch.tensor(list(values), dtype=dtype)
     table = comm.all_rows(row, group).tolist()
-    return [r[:n] for r, n in zip(table, lengths.flatten().tolist())]
+    return [r[:n] for r, n in zip(table, lengths.flatten().tolist(), strict=True)]
 
 
 def _text(text: str, group: dist.ProcessGroup, device: torch.device) -> list[str]:
@@ -329,7 +329,7 @@ def gradient_codes(params: Sequence[Tensor], stale: Collection[Tensor], nonfinit
         ]
         if checked:
             norms = torch._foreach_norm([local_shard(params[i].grad) for i in checked], math.inf)
-            for i, bad in zip(checked, (~torch.stack(norms).isfinite()).tolist()):
+            for i, bad in zip(checked, (~torch.stack(norms).isfinite()).tolist(), strict=True):
                 codes[i] |= NONFINITE if bad else 0
     return codes
 

@@ -180,7 +180,7 @@ def _shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int], nam
 
 def _row_major(coordinate: Sequence[int], shape: Sequence[int]) -> int:
     index = 0
-    for k, n in zip(coordinate, shape):
+    for k, n in zip(coordinate, shape, strict=True):
         index = index * n + k
     return index
 
@@ -266,7 +266,7 @@ def row_blocks(
             raise ValueError(f"parameter {name!r}: {rows} rows do not split into {num_heads} heads")
         sizes = [rows // num_heads] * num_heads
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return list(zip(starts, sizes))
+    return list(zip(starts, sizes, strict=True))
 
 
 def _columns(shape: tuple[int, ...], box: Box, first: int, name: str, placements: str) -> tuple[int, int]:
@@ -318,7 +318,7 @@ def describe_param(
     for expert in range(shape[0] if stacked else 1):
         for first, size in blocks:
             pieces = []
-            for (offset, local), (c0, c1) in zip(boxes, columns):
+            for (offset, local), (c0, c1) in zip(boxes, columns, strict=True):
                 lo, hi = max(first, offset[row_dim]), min(first + size, offset[row_dim] + local[row_dim])
                 in_stack = not stacked or offset[0] <= expert < offset[0] + local[0]
                 if hi <= lo or c1 <= c0 or not in_stack:

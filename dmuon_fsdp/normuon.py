@@ -147,7 +147,7 @@ def bind_neurons(
                 norms.append(RowNorms(part, dim, flats[0][start : start + size].view(part.shape[0], -1)))
                 start += size
         for j, (rows, cols) in shapes.items():
-            for name, flat in zip(("rows", "v", "factors"), flats):
+            for name, flat in zip(("rows", "v", "factors"), flats, strict=True):
                 lists[name].append(flat[offset : offset + rows])
             lists["betas"].append(beta2)
             lists["weights"].append((1.0 - beta2) / cols)

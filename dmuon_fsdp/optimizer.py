@@ -249,7 +249,10 @@ class DMuonFSDP(Optimizer):
             state_dict = state_dict if result is None else result
         check_state_dict(state_dict, self.param_groups, self._names)
         # Options added since the state dict was saved (ns_algorithm) keep this optimizer's values.
-        groups = [{**group, **saved} for saved, group in zip(state_dict["param_groups"], self.param_groups)]
+        groups = [
+            {**group, **saved}
+            for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True)
+        ]
         hooks, self._optimizer_load_state_dict_pre_hooks = (
             self._optimizer_load_state_dict_pre_hooks,
             OrderedDict(),

@@ -228,7 +228,7 @@ def check_state_dict(state_dict: dict[str, Any], groups: list[dict[str, Any]], n
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     if len(saved_groups) != len(groups):
         raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
-    for index, (saved, group) in enumerate(zip(saved_groups, groups)):
+    for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
         kind = saved.get("use_muon", True if "ns_steps" in saved else None)
         if len(saved["params"]) != len(group["params"]) or kind != group["use_muon"]:
             theirs, ours = len(saved["params"]), len(group["params"])
@@ -243,7 +243,7 @@ def check_state_dict(state_dict: dict[str, Any], groups: list[dict[str, Any]], n
                 f"group has variant={group['variant']!r}: build the optimizer with the variant the run was "
                 "saved with (a state dict resumes its run as it was)"
             )
-        for key, p in zip(saved["params"], group["params"]):
+        for key, p in zip(saved["params"], group["params"], strict=True):
             check_saved_state(names[p], p, group, saved_state.get(key, {}))
 
 

@@ -152,10 +152,10 @@ def follow(
     now = indexed(groups)
     current = [p for _, p in now]
     check(known, now, names, written)
-    names = {new: names[old] for (_, old), new in zip(known, current)}
+    names = {new: names[old] for (_, old), new in zip(known, current, strict=True)}
     meshes = check_new_groups(groups, names, {}, {})
     states = [state.pop(old, {}) for _, old in known]
-    for (g, old), new, saved in zip(known, current, states):
+    for (g, old), new, saved in zip(known, current, states, strict=True):
         if new is old:
             state[new] = saved
         elif written and saved:
@@ -198,7 +198,7 @@ def check(
             "shapes); add new ones with add_param_group"
         )
     seen: set[Tensor] = set()
-    for (_, old), (_, new) in zip(known, current):
+    for (_, old), (_, new) in zip(known, current, strict=True):
         name = names[old]
         if not isinstance(new, Tensor):
             raise TypeError(f"{name} was replaced in param_groups by a {type(new).__name__}, not a tensor")

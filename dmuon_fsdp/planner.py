@@ -45,7 +45,7 @@ class Plan:
     @cached_property
     def senders(self) -> tuple[frozenset[int], ...]:
         """Ranks sending their piece of each matrix to its owner."""
-        return tuple(frozenset(m.senders(o)) for m, o in zip(self.matrices, self.owners))
+        return tuple(frozenset(m.senders(o)) for m, o in zip(self.matrices, self.owners, strict=True))
 
     def owned_by(self, bucket: Bucket, rank: int) -> list[int]:
         return [j for j in bucket.matrices if self.owners[j] == rank]
@@ -69,7 +69,7 @@ class Plan:
         split sizes) is ``dmuon_fsdp.exchange``'s, which checks its totals against this.
         """
         total = 0
-        for j, (m, owner) in enumerate(zip(self.matrices, self.owners)):
+        for j, (m, owner) in enumerate(zip(self.matrices, self.owners, strict=True)):
             if owner != rank and rank in self.senders[j]:
                 total += m.pieces[rank].numel
             if owner == rank:

@@ -193,7 +193,7 @@ class QKClip:
         """Row factors (computed on the host from ``logits``) of every weight with a clipped
         group, applied to its local rows."""
         factors: dict[Tensor, Tensor] = {}
-        for layer, row_logits, ((q0, q1), (k0, k1)) in zip(self.layers, logits, self._ranges):
+        for layer, row_logits, ((q0, q1), (k0, k1)) in zip(self.layers, logits, self._ranges, strict=True):
             groups = layer.kv_heads or layer.heads
             worst = row_logits[: layer.heads].view(groups, -1).amax(dim=1)
             if not bool((worst > self.tau).any()):

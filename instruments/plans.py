@@ -42,7 +42,7 @@ def replicated(layout: MatrixLayout, copies: int) -> MatrixLayout:
 def rank_loads(plan: Plan) -> list[int]:
     """NS flops assigned to each rank of ``plan``."""
     out = [0] * plan.world_size
-    for cost, owner in zip(plan.costs, plan.owners):
+    for cost, owner in zip(plan.costs, plan.owners, strict=True):
         out[owner] += cost
     return out
 

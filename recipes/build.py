@@ -133,15 +133,15 @@ def qk_clip(
 def keep_this_runs_settings(optimizers: list, schedulers: list, settings: list[list[dict]]) -> None:
     """After a resume, this run's flags (lr, weight decay, AdamW lr, schedule) win over the
     hyperparameters the checkpoint restored; the lr is recomputed at the resumed step."""
-    for opt, scheduler, groups in zip(optimizers, schedulers, settings):
-        for group, fresh in zip(opt.param_groups, groups):
+    for opt, scheduler, groups in zip(optimizers, schedulers, settings, strict=True):
+        for group, fresh in zip(opt.param_groups, groups, strict=True):
             group.update(fresh)
         scheduler.base_lrs = [group["initial_lr"] for group in opt.param_groups]
         lrs = [
             base * factor(scheduler.last_epoch)
-            for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+            for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
         ]
-        for group, lr in zip(opt.param_groups, lrs):
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
             group["lr"] = lr
         scheduler._last_lr = lrs
 

@@ -147,9 +147,9 @@ def load(path: str | Path, model: nn.Module, optimizers: list, schedulers: list)
     _without_newer_group_options(state, path)
     _read(state, path)
     set_model_state_dict(model, state["model"])
-    for opt, opt_state in zip(optimizers, state["optimizers"]):
+    for opt, opt_state in zip(optimizers, state["optimizers"], strict=True):
         set_optimizer_state_dict(model, opt, opt_state)
-    for scheduler, sched_state in zip(schedulers, state["schedulers"]):
+    for scheduler, sched_state in zip(schedulers, state["schedulers"], strict=True):
         scheduler.load_state_dict(sched_state)
     torch.set_rng_state(state["rng"])
     return int(state["step"])

@@ -66,7 +66,7 @@ def step_times(fwd_bwd_ms: list[float], opt_ms: list[float]) -> dict:
     that have not finished)."""
     skip = min(WARMUP_STEPS, len(fwd_bwd_ms) - 1)
     fwd_bwd, opt = fwd_bwd_ms[skip:], opt_ms[skip:]
-    step = statistics.median(a + b for a, b in zip(fwd_bwd, opt))
+    step = statistics.median(a + b for a, b in zip(fwd_bwd, opt, strict=True))
     return {
         "median_step_ms": step,
         "median_opt_ms": statistics.median(opt),
@@ -87,7 +87,7 @@ class MetricsLog:
     scalars to ``run_dir/tensorboard`` (events after ``first_step`` from an earlier try are purged)."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, first_step: int):
-        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (held for the run; close() closes it)
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

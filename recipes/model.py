@@ -167,9 +167,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=0.02)
-            elif isinstance(module, nn.Embedding):
+            if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
         for block in self.layers:  # scaled residual projections, as in GPT-2
             for proj in (block.attention.wo, block.feed_forward.w2):

@@ -217,7 +217,9 @@ def run(args, setup: Setup, start: run_dir.RunStart, device, files: Rank0Files, 
         )
         for block in model.layers:
             block.attention.max_logits = None  # this step's batch only
-        for m, (x, y) in enumerate(zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum))):
+        for m, (x, y) in enumerate(
+            zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum), strict=True)
+        ):
             model.set_requires_gradient_sync(m == args.grad_accum - 1)
             loss = model(x.to(device), y.to(device)) / args.grad_accum
             loss.backward()

@@ -112,7 +112,7 @@ def labels(runs: list[dict]) -> list[str]:
         f"{r['optimizer']} lr={r['lr']:g}" + (f" qk-clip={r['qk_clip']:g}" if r["qk_clip"] else "")
         for r in runs
     ]
-    return [f"{b} ({r['name']})" if base.count(b) > 1 else b for b, r in zip(base, runs)]
+    return [f"{b} ({r['name']})" if base.count(b) > 1 else b for b, r in zip(base, runs, strict=True)]
 
 
 def title(runs: list[dict]) -> str:
@@ -140,17 +140,17 @@ def plot(runs: list[dict], path: Path) -> None:
     logits = any("max_logit" in rec for r in runs for rec in r["records"])
     fig, axes = plt.subplots(1, 4 if logits else 3, figsize=(21 if logits else 16, 5))
     step_ax, val_ax, time_ax = axes[:3]
-    for i, (r, label) in enumerate(zip(runs, labels(runs))):
+    for i, (r, label) in enumerate(zip(runs, labels(runs), strict=True)):
         records = r["records"]
         smooth = running_mean([rec["train_loss"] for rec in records], max(1, len(records) // 50))
         step_ax.plot([rec["step"] for rec in records], smooth, color=f"C{i}", label=label)
         time_ax.plot([rec["time_s"] / 60 for rec in records], smooth, color=f"C{i}", label=label)
         val = [(rec["step"], rec["val_loss"]) for rec in records if "val_loss" in rec]
         if val:
-            val_ax.plot(*zip(*val), marker="o", color=f"C{i}", label=label)
+            val_ax.plot(*zip(*val, strict=True), marker="o", color=f"C{i}", label=label)
         seen = [(rec["step"], rec["max_logit"]) for rec in records if "max_logit" in rec]
         if seen:
-            axes[3].plot(*zip(*seen), color=f"C{i}", label=label)
+            axes[3].plot(*zip(*seen, strict=True), color=f"C{i}", label=label)
             if r["qk_clip"]:
                 axes[3].axhline(r["qk_clip"], color=f"C{i}", linestyle=":", linewidth=1)
     if logits:

@@ -117,7 +117,7 @@ def train(model, groups, loss_fn, steps=STEPS, **options):
         counts["buckets"] = max(counts["buckets"], len(plan.buckets))
         for n in grads:
             group = muon[params[n]]
-            views = zip(*(matrices(t, group) for t in (ref[n], grads[n], bufs[n])))
+            views = zip(*(matrices(t, group) for t in (ref[n], grads[n], bufs[n])), strict=True)
             options = {
                 k: group[k] for k in ("lr", "weight_decay", "adjust_lr_fn", "normuon_beta2", "normuon_eps")
             }

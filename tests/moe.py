@@ -34,7 +34,7 @@ def given_loss(weight: torch.Tensor, seed: int, dead: int | None = None) -> torc
         shape, offset = compute_local_shape_and_global_offset(
             weight.shape, weight.device_mesh, weight.placements
         )
-        g = g[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        g = g[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
         weight = weight.to_local()
     return (weight * g).sum()
 

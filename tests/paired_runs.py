@@ -3,6 +3,8 @@ with the plain step and one with ``overlap_backward=True``, and what to compare 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from spawn import cpu_mesh
 from torch import nn
@@ -25,7 +27,7 @@ class Stack(nn.Module):
     def __init__(self, dims=DIMS):
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(dims, dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(dims))
         self.scale = nn.Parameter(torch.ones(dims[-1]))
 
     def forward(self, x):

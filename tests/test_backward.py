@@ -240,5 +240,5 @@ def test_a_deep_copy_steps_as_the_original_and_hooks_its_own_parameters():
     for step in range(2, 5):
         plain_step(model, opt, step)
         plain_step(twin_model, twin_opt, step)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters(), strict=True))
     assert opt.last_step_stats.started_in_backward > 0 and twin_opt.last_step_stats.started_in_backward > 0

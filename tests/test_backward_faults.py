@@ -96,7 +96,7 @@ def tensor_parallel_in_rank_order(rank, world_size):
     finally:
         dist.all_to_all_single = original
     (p0, _), (p1, o1) = runs
-    equal = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(p0, p1))
+    equal = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(p0, p1, strict=True))
     return equal, calls, o1.last_step_stats.started_in_backward
 
 
@@ -108,7 +108,7 @@ def test_hooks_firing_in_another_order_on_each_rank_keep_every_group_in_plan_ord
         mine = [c for c in calls0 if c[0] == name]
         theirs = [c for c in calls1 if c[0] == name]
         assert len(mine) == len(theirs)
-        for (_, receive0, send0), (_, receive1, send1) in zip(mine, theirs):
+        for (_, receive0, send0), (_, receive1, send1) in zip(mine, theirs, strict=True):
             assert send0[1] == receive1[0] and send1[0] == receive0[1]  # the same exchange on both
 
 

@@ -85,7 +85,7 @@ def counted_step(rank, world_size, overlap, comm_dtype, checks=True):
         "planned_bytes": plan.elements_moved(me) * size,
         "owned": sum(1 for o in plan.owners if o == me),
         "stats": opt.last_step_stats,
-        "owned_flops": sum(cost for cost, o in zip(plan.costs, plan.owners) if o == me),
+        "owned_flops": sum(cost for cost, o in zip(plan.costs, plan.owners, strict=True) if o == me),
         "matrices": len(plan.matrices),
         "largest_bucket": max(bucket_bytes(plan, k, me, size) for k in range(len(plan.buckets))),
     }
@@ -153,17 +153,16 @@ def released_after_wait(rank, world_size):
         send = torch.full((world_size * 3,), float(rank + trial))
         receive = torch.empty_like(send)
 
-        def counts():
+        def counts(*tensors):
             return [
-                (sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-                for t in (send, receive)
+                (sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)) for t in tensors
             ]
 
-        before = counts()
+        before = counts(send, receive)
         handle = comm.launch(comm.Exchange(send, receive, [3] * world_size, [3] * world_size, group))
         handle.wait()
         del handle
-        held += counts() != before
+        held += counts(send, receive) != before
         assert torch.equal(receive.view(world_size, 3)[:, 0], torch.arange(world_size) + float(trial))
         # The small collectives (plan agreement, error tables, QK-clip, the recipe's sums) alike.
         values = torch.full((3,), float(rank + trial))

@@ -60,7 +60,7 @@ def test_a_copied_or_unpickled_optimizer_steps_as_the_original(how):
         opt.step()
         twin_opt.step()
     assert all(torch.equal(p, q) for p, q in zip(originals, params, strict=True))
-    assert all(p is not q for p, q in zip(originals, params))
+    assert all(p is not q for p, q in zip(originals, params, strict=True))
 
 
 @pytest.mark.parametrize("how", ["clear", "new dict", "delete one"])
@@ -80,7 +80,7 @@ def test_cleared_state_starts_afresh_like_a_new_optimizer(how):
     _steps(model, opt, 2, first=2)
     _steps(fresh_model, fresh, 2, first=2)
     assert _same(model, fresh_model)
-    for p, q in zip(model.parameters(), fresh_model.parameters()):
+    for p, q in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert opt.state[p].keys() == fresh.state[q].keys()
         assert all(torch.equal(opt.state[p][k], fresh.state[q][k]) for k in opt.state[p])
 
@@ -132,19 +132,19 @@ def test_a_torch_muon_state_dict_loads_and_the_next_steps_match_torch_muon():
         for p in theirs[:2]:
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + p.shape[0]))
         muon.step()
-    for p, q in zip(theirs, ours):
+    for p, q in zip(theirs, ours, strict=True):
         q.data.copy_(p.data)
     opt = DMuonFSDP(ours, ns_dtype=torch.bfloat16)
     opt.load_state_dict(copy.deepcopy(muon.state_dict()))  # as saved: torch's dict holds its own tensors
     group = opt.param_groups[0]
     assert (group["lr"], group["weight_decay"], group["momentum"]) == (0.02, 0.1, 0.9)
     for step in range(2, 4):
-        for p, q in zip(theirs, ours):
+        for p, q in zip(theirs, ours, strict=True):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + p.shape[0]))
             q.grad = p.grad.clone()
         muon.step()
         opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(theirs, ours))
+    assert all(torch.equal(p, q) for p, q in zip(theirs, ours, strict=True))
 
 
 def test_a_torch_muon_script_runs_with_the_class_swapped():
@@ -164,7 +164,7 @@ def test_a_torch_muon_script_runs_with_the_class_swapped():
 
     theirs = train(torch.optim.Muon)
     ours = train(DMuonFSDP, ns_dtype=torch.bfloat16)
-    assert all(torch.equal(p, q) for p, q in zip(theirs, ours))
+    assert all(torch.equal(p, q) for p, q in zip(theirs, ours, strict=True))
 
 
 def test_an_explicit_lr_of_a_group_that_holds_only_adamw_parameters_is_honoured():
@@ -174,7 +174,7 @@ def test_an_explicit_lr_of_a_group_that_holds_only_adamw_parameters_is_honoured(
     assert (vector["lr"], vector["weight_decay"]) == (0.1, 0.5)
     expected = b.detach().clone().requires_grad_()
     reference = torch.optim.AdamW([expected], lr=0.1, weight_decay=0.5, betas=(0.9, 0.95), eps=1e-8)
-    for step in range(3):
+    for _step in range(3):
         w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
         expected.grad = b.grad.clone()
         opt.step()

@@ -5,6 +5,7 @@ exactly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -89,10 +90,8 @@ def children(pid: int) -> list[int]:
 
 def signal_all(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # ended already
             os.kill(pid, sig)
-        except ProcessLookupError:  # ended already
-            pass
 
 
 def failure_report(torchrun_stderr: str, logs: Path) -> str:

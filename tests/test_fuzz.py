@@ -20,7 +20,7 @@ class Matrices(nn.Module):
         self.ws = nn.ParameterList(nn.Parameter(torch.empty(s)) for s in shapes)
 
     def forward(self, grads):
-        return sum((w * g).sum() for w, g in zip(self.ws, grads))
+        return sum((w * g).sum() for w, g in zip(self.ws, grads, strict=True))
 
 
 def _case(shapes, seed):
@@ -34,7 +34,7 @@ def random_layout_run(rank, world_size, shapes, seed):
     init, grads = _case(shapes, seed)
     model = Matrices(shapes)
     with torch.no_grad():
-        for w, x in zip(model.ws, init):
+        for w, x in zip(model.ws, init, strict=True):
             w.copy_(x)
     fully_shard(model, mesh=cpu_mesh())
     opt = DMuonFSDP(model.parameters(), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, bucket_bytes=4096)
@@ -58,9 +58,9 @@ def test_random_layouts_match_the_reference(shapes, world_size, seed):
     init, grads = _case(shapes, seed)
     bufs = [torch.zeros_like(x) for x in init]
     for step_grads in grads:
-        for p, g, b in zip(init, step_grads, bufs):
+        for p, g, b in zip(init, step_grads, bufs, strict=True):
             reference_muon_step(p, g, b, lr=0.05, weight_decay=0.1)
-    for got, want, s in zip(result, init, shapes):
+    for got, want, s in zip(result, init, shapes, strict=True):
         assert relative_error(got, want) <= 1e-5, f"shape {s} at W={world_size}"
 
 

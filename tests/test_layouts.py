@@ -94,11 +94,17 @@ def test_rank_boxes_agree_with_dtensor_on_random_layouts():
         placements = [Shard(draw(len(shape))) if draw(3) else Replicate() for _ in mesh_shape]
         if len(mesh_shape) > 1 and draw(2) and type(placements[-1]) is Shard:
             dim = placements[-1].dim
-            later = [n for n, p in zip(mesh_shape[1:], placements[1:]) if type(p) is Shard and p.dim == dim]
+            later = [
+                n
+                for n, p in zip(mesh_shape[1:], placements[1:], strict=True)
+                if type(p) is Shard and p.dim == dim
+            ]
             placements[0] = _StridedShard(dim, split_factor=math.prod(later))
         placements = tuple(placements)
         ours = rank_boxes(shape, mesh_shape, placements)
-        for (offset, size), (d_offset, d_size) in zip(ours, _dtensor_boxes(shape, mesh_shape, placements)):
+        for (offset, size), (d_offset, d_size) in zip(
+            ours, _dtensor_boxes(shape, mesh_shape, placements), strict=True
+        ):
             assert size == d_size, (shape, mesh_shape, placements)
             assert offset == d_offset or not all(size), (shape, mesh_shape, placements)
         checked += 1

@@ -48,7 +48,7 @@ def test_replicated_parameters_split_ns_across_ranks(world_size, replicate_dtens
     results = run_ranks(ddp, world_size, replicate_dtensor)
     check(results, min_owners=world_size)
     # Every rank holds the whole gradient: only orthogonalized matrices travel, owner to others.
-    for rank, (_, counts) in enumerate(results):
+    for _rank, (_, counts) in enumerate(results):
         assert counts["sent"] > 0
 
 

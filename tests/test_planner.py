@@ -165,13 +165,13 @@ def test_replicated_matrices_gather_one_copy_and_scatter_to_all(replicas, shards
     ]
     plan = plan_for(matrices, world, 2**20, 4)
     assert sorted(set(plan.owners)) == list(range(world)), "owners spread over every replica"
-    for j, (m, owner) in enumerate(zip(plan.matrices, plan.owners)):
+    for j, (m, owner) in enumerate(zip(plan.matrices, plan.owners, strict=True)):
         senders = plan.senders[j]
         assert {m.replica(r) for r in senders} == {m.replica(owner)}
         assert sum(m.pieces[r].numel for r in senders) == m.numel
     # Forward: one copy of each matrix (from the owner's replica); reverse: each rank gets its
     # pieces of all of them. In elements sent over the job, own pieces excluded:
-    kept = sum(m.pieces[owner].numel for m, owner in zip(plan.matrices, plan.owners))
+    kept = sum(m.pieces[owner].numel for m, owner in zip(plan.matrices, plan.owners, strict=True))
     forward = sum(m.numel for m in matrices) - kept
     backward = sum(m.pieces[r].numel for m in matrices for r in range(world)) - kept
     assert sum(plan.elements_moved(r) for r in range(world)) == forward + backward
@@ -218,7 +218,7 @@ def test_lower_bounds_never_exceed_the_optimum(seed):
     simple, l2 = assignment_lower_bound(costs, world), makespan_lower_bound(costs, world)
     assert simple <= l2 <= optimum + 1e-9
     owners, _ = assign_owners(costs, world)
-    lpt = max(sum(c for c, o in zip(costs, owners) if o == r) for r in range(world))
+    lpt = max(sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(world))
     assert optimum <= lpt <= 4 / 3 * optimum
 
 

@@ -70,7 +70,7 @@ def reference_clip(params, logits):
         (params["wq.weight"], Q_ROWS[0], params["wk.weight"], 0),
         (params["qkv.weight"], Q_ROWS[0], params["qkv.weight"], K_ROWS[0]),
     ]
-    for (wq, q0, wk, k0), row in zip(targets, logits):
+    for (wq, q0, wk, k0), row in zip(targets, logits, strict=True):
         for g in range(KV_HEADS):
             worst = max(row[g * per_group : (g + 1) * per_group]).item()
             if worst > TAU:

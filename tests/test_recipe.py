@@ -203,7 +203,7 @@ def test_resume_continues_exactly(tmp_path, cache, optimizer, layout):
         run_recipe, 2, tmp_path / "b", cache, ["--optimizer", optimizer, "--resume", checkpoint, *layout]
     )[0]
     assert sorted(resumed["losses"]) == [5, 6, 7, 8]
-    for a, b in zip(_continued_losses(full), _continued_losses(resumed)):
+    for a, b in zip(_continued_losses(full), _continued_losses(resumed), strict=True):
         assert abs(a - b) <= 1e-6 * abs(a), (a, b)
 
 
@@ -241,7 +241,7 @@ def test_resume_at_a_different_world_size(tmp_path, cache):
         run_recipe, 2, tmp_path / "w2", cache, ["--resume", str(tmp_path / "w4/checkpoints/step_0000004")]
     )[0]
     # Same global batches and state; only the order of reductions differs between 4 and 2 ranks.
-    for a, b in zip(_continued_losses(full), _continued_losses(resumed)):
+    for a, b in zip(_continued_losses(full), _continued_losses(resumed), strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (a, b)
 
 

@@ -3,6 +3,7 @@ kill while metrics.jsonl is rewritten, and what it prints when nobody watches a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -86,10 +87,8 @@ def no_job_left(tmp_path):
 
 def kill(pids: list[int]) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:  # ended meanwhile
-            pass
 
 
 def only_torchruns_report(out: str, status: int) -> None:

@@ -25,7 +25,7 @@ def _backward(model, step=0):
 def _outcome(fn):
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects whatever each rank raised
+    except Exception as e:
         return type(e).__name__, str(e)
     return None
 
@@ -82,7 +82,7 @@ def grad_scenarios(rank, world_size, comm_dtype):
 @pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
 def test_gradient_problems_raise_the_same_error_on_every_rank(comm_dtype):
     results = run_ranks(grad_scenarios, 2, comm_dtype)
-    for rank, r in enumerate(results):
+    for _rank, r in enumerate(results):
         assert r["none_everywhere"] is None and r["w5_unchanged"]
         kind, message = r["none_on_one_rank"]
         assert kind == GradientMismatchError.__name__

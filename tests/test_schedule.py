@@ -78,7 +78,7 @@ def test_every_segment_matches_the_peer_that_reads_it(kind, world):
                     flags = FLAG_ELEMENTS if (wire == "to_owners" and k == 0 and world > 1) else 0
                     assert send.flag_elements == flags
                     total_sent += sum(t.piece.numel for t in send.send[position[b]])
-    kept = sum(m.pieces[o].numel for m, o in zip(plan.matrices, plan.owners))
+    kept = sum(m.pieces[o].numel for m, o in zip(plan.matrices, plan.owners, strict=True))
     forward = sum(m.numel for m in plan.matrices) - kept
     held = sum(m.pieces[r].numel for m in plan.matrices for r in range(world))
     assert total_sent == forward + held - kept, "each piece crosses the wire at most once each way"

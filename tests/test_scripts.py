@@ -261,4 +261,4 @@ def test_emulate_scale_reports_the_step_against_the_floor_and_one_bucket(tmp_pat
     default, one = results["W=2 after default"], results["W=2 after one bucket"]
     assert default["floor_s"] > 0 and default["step_s"] >= default["floor_s"] * 0.99
     assert one["buckets"] == 1 and default["buckets"] >= 1
-    assert 0 < default["buffer_bytes"] and 0 < default["deeper_buffer_bytes"]
+    assert default["buffer_bytes"] > 0 and default["deeper_buffer_bytes"] > 0

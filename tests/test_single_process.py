@@ -424,7 +424,10 @@ def test_nonfinite_check_flags_inf_and_nan_and_changes_no_gradient():
     grads = [torch.full((4,), 60000.0, dtype=torch.float16), torch.tensor([-0.0, 2.5]), torch.zeros(0, 3)]
     before = [g.clone() for g in grads]
     assert nonfinite_indicator(grads, found, one).item() == 0
-    assert all(torch.equal(g, b) and torch.equal(g.signbit(), b.signbit()) for g, b in zip(grads, before))
+    assert all(
+        torch.equal(g, b) and torch.equal(g.signbit(), b.signbit())
+        for g, b in zip(grads, before, strict=True)
+    )
     for bad in (float("nan"), float("inf"), -float("inf")):
         grads[1][0] = bad
         assert nonfinite_indicator(grads, found, one).item() == 1

@@ -149,7 +149,7 @@ def resharded_state_moves_exactly(rank, world_size):
 def test_state_of_replicated_parameters_moves_exactly_to_sharded_ones():
     for before, after, placements in run_ranks(resharded_state_moves_exactly, 2):
         assert all(pl == (Shard(0),) for per_param in placements for pl in per_param)
-        for old, new in zip(before, after):
+        for old, new in zip(before, after, strict=True):
             assert old.keys() == new.keys()
             assert all(torch.equal(old[k], new[k]) for k in old)
 

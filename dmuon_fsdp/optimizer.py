@@ -36,9 +36,10 @@ class DMuonFSDP(Optimizer):
     tensors in one process; AdamW for the parameters routed to it. Each matrix is
     orthogonalized once in the job, by an owner rank (``plan`` shows which).
 
-    The arguments follow ``torch.optim.Muon``'s, plus DMuonFSDP's own: the README's argument
-    table says what each does. Within a group, parameters with ndim >= 2 use Muon and the others
-    AdamW unless the group sets ``use_muon``; a group that mixes both is split in two.
+    The arguments follow ``torch.optim.Muon``'s, plus DMuonFSDP's own (below; the README's
+    argument table says the same, with more on each). Within a group, parameters with ndim >= 2
+    use Muon and the others AdamW unless the group sets ``use_muon``; a group that mixes both is
+    split in two.
     ``dmuon_fsdp.param_groups(model)`` also sends embeddings and the output head to AdamW.
 
     The optimizer-wide options are attributes: ``overlap``, ``time_phases``, ``nonfinite`` and
@@ -48,6 +49,60 @@ class DMuonFSDP(Optimizer):
 
     ``overlap_backward=True`` makes each bucket's NS inputs and starts its exchange to the owners
     from FSDP2's gradient hooks during backward (``dmuon_fsdp.backward``), with the same results.
+
+    Args:
+        params (iterable): parameters, named parameters, or dicts defining param groups (as
+            ``param_groups(model)`` returns).
+        lr (float, optional): Muon's learning rate, before ``adjust_lr_fn`` (default: 0.02)
+        momentum (float, optional): ``buf.lerp_(grad, 1 - momentum)`` (default: 0.95)
+        nesterov (bool, optional): orthogonalize ``grad.lerp(buf, momentum)`` instead of ``buf``
+            (default: True)
+        weight_decay (float, optional): decoupled, ``p *= 1 - lr * weight_decay`` with the
+            unadjusted lr (default: 0.0)
+        ns_steps (int, optional): Newton-Schulz iterations (default: 5)
+        ns_coefficients (tuple or str, optional): one (a, b, c) triple, a list of per-iteration
+            triples (later iterations reuse the last), ``"muon"`` or ``"polar_express"``
+            (default: (3.4445, -4.775, 2.0315))
+        ns_algorithm (str, optional): ``"standard"``; ``"gram"``, the same polynomials iterated
+            on the s x s matrix X X^T with restarts; ``"auto"``, per shape the form with fewer
+            flops (default: "standard")
+        eps (float, optional): NS normalisation, divide by max(Frobenius norm, eps) (default: 1e-07)
+        adjust_lr_fn (str, optional): None or ``"original"``, lr * sqrt(max(1, rows / cols));
+            ``"match_rms_adamw"``, lr * 0.2 * sqrt(max(rows, cols)); the global shape's (default: None)
+        ns_dtype (torch.dtype, optional): NS matmul dtype; None is bf16 on CUDA, fp32 elsewhere
+            (default: None)
+        comm_dtype (torch.dtype, optional): all-to-all dtype (fp16, bf16, fp32 or fp64); None is
+            ``ns_dtype`` (default: None)
+        adamw_lr (float, optional): learning rate of the parameters routed to AdamW (default: 0.0003)
+        adamw_betas (tuple, optional): their betas (default: (0.9, 0.95))
+        adamw_eps (float, optional): their eps (default: 1e-08)
+        adamw_weight_decay (float, optional): their decoupled weight decay (default: 0.0)
+        bucket_bytes (int, optional): the most bytes one rank holds of its owned matrices, or sends
+            or receives in one exchange, per bucket; a larger matrix makes a bucket of its own
+            (default: 134217728)
+        overlap (bool, optional): launch bucket k+1's exchange before bucket k's NS (default: True)
+        time_phases (bool, optional): time each phase into ``last_step_stats`` (syncs the
+            device; for benchmarks) (default: False)
+        nonfinite (str, optional): inf or NaN in any rank's gradient: ``"raise"``
+            (``NonFiniteGradientError`` on every rank), ``"skip"`` (the step, on every rank) or
+            ``"ignore"`` (default: "raise")
+        check_grads (bool, optional): check each step that every rank steps the same parameters
+            with the same Muon options (``GradientMismatchError`` instead of a hang), and that
+            every rank built the same plan (default: True)
+        overlap_backward (bool, optional): start the first buckets' exchanges to their owners
+            from FSDP2's gradient hooks during backward; the same results (default: False)
+        flatten (bool, optional): True, a >2-D weight is one ``(dim0, -1)`` matrix; False, a
+            stack of ``dim0`` matrices ``(dim1, -1)`` (MoE experts) (default: True)
+        split_sizes (list of int, optional): orthogonalize these row blocks of each matrix on
+            their own (fused QKV) (default: None)
+        num_heads (int, optional): orthogonalize each matrix as ``num_heads`` equal row blocks
+            (default: None)
+        route (nn.Module, optional): route and name flat groups' parameters as
+            ``param_groups(model)`` would; a group's ``use_muon`` still wins (default: None)
+        variant (str, optional): ``"muon"``, or ``"normuon"``: each row of the orthogonalized
+            update divided by its running second moment (default: "muon")
+        normuon_beta2 (float, optional): NorMuon's second-moment decay (default: 0.95)
+        normuon_eps (float, optional): added to the second moment's square root (default: 1e-08)
     """
 
     ns_dtype = Option(settable=False)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, clip_grad_norm_, comm, param_groups
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, clip_grad_norm_, param_groups
 from recipes.model import ModelConfig, Transformer
 
 
@@ -93,7 +93,7 @@ def evaluate(model, batches, device) -> float:
     total = torch.zeros((), device=device)
     for x, y in batches:
         total += model(x.to(device), y.to(device)).float()
-    comm.all_sum(total, None)
+    dist.all_reduce(total)
     return total.item() / (len(batches) * dist.get_world_size())
 
 

@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dmuon_fsdp import comm
+if not __package__:  # run by path (python recipes/x.py, torchrun recipes/x.py): the repository's recipes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from recipes import checkpoint, options, run_dir
 from recipes.build import (
     build_model,
@@ -110,7 +112,7 @@ class Rank0Files:
         """Sum ``values`` over the ranks, with rank 0's failure; raises RunFailure on every rank
         after one."""
         sums = torch.tensor([float(self.error is not None), *values], dtype=torch.float64, device=self.device)
-        comm.all_sum(sums, None)
+        dist.all_reduce(sums)
         if sums[0].item():
             raise RunFailure(self.error or "rank 0 could not write to the run directory")
         return sums[1:].tolist()
@@ -139,7 +141,7 @@ def take_lock(directory: Path, files: Rank0Files) -> RunLock | None:
                 else UsageError(f"--run-dir {directory}: cannot write {error.filename}: {error.strerror}")
             )
     failed = torch.tensor([float(failure is not None)], device=files.device)
-    comm.all_sum(failed, None)
+    dist.all_reduce(failed)
     if failed.item():
         raise failure or UsageError("rank 0 could not lock the run directory")
     return lock
@@ -283,10 +285,11 @@ def run(args, setup: Setup, start: run_dir.RunStart, device, files: Rank0Files, 
             console.close()
             raise Stopped(line)
     console.close()
-    # The run's last collectives: dmuon_fsdp.comm returns once gloo has let go of its tensors, so
-    # no release is left for interpreter exit, where it aborts the process (CHANGELOG, history).
-    mine = torch.tensor([peak_memory_mb(device)], dtype=torch.float64, device=device)
-    memory = [row[0] for row in comm.all_rows(mine, dist.group.WORLD).tolist()]
+    # Every rank's peak memory (the exit waits for gloo's threads to let go of these tensors:
+    # recipes.stop.let_threads_run).
+    gathered = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([peak_memory_mb(device)], dtype=torch.float64, device=device))
+    memory = [m.item() for m in gathered]
     if log:
         files.do(log.close)
     files.do(

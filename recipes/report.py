@@ -18,6 +18,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+if not __package__:  # run by path (python recipes/x.py, torchrun recipes/x.py): the repository's recipes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from recipes.metrics import step_times
 from recipes.run_dir import replace_file
 

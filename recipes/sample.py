@@ -19,6 +19,9 @@ from typing import NoReturn
 
 import torch
 
+if not __package__:  # run by path (python recipes/x.py, torchrun recipes/x.py): the repository's recipes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from recipes import checkpoint
 from recipes.model import ModelConfig, Transformer
 from recipes.options import HelpFormatter, Parser, UsageError

@@ -28,6 +28,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
         echo "setup: no NVIDIA GPU and $CPU_INDEX does not answer: torch==2.13.0 from pip's configured sources"
         .venv/bin/python -m pip install -q "torch==2.13.0"
     fi
-    .venv/bin/python -c "import torch; print('setup: torch', torch.__version__, '(CUDA %s build)' % torch.version.cuda if torch.version.cuda else '(CPU build)')"
+    installed=1
 fi
 .venv/bin/python -m pip install -q -e ".[${1:-dev,recipes}]"
+if [ -n "${installed:-}" ]; then  # after the package, whose numpy torch imports quietly
+    .venv/bin/python -c "import torch; print('setup: torch', torch.__version__, '(CUDA %s build)' % torch.version.cuda if torch.version.cuda else '(CPU build)')"
+fi

@@ -356,8 +356,9 @@ def write_summary(
     else:
         newest = f"; the newest checkpoint is {weights}" if weights is not None else ""
         kept = f"the final weights were not saved (--no-save-final){newest}"
+    val = f"{summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else "not measured"
     print(
-        f"{args.optimizer}: final val loss {summary['final_val_loss']}, median step "
+        f"{args.optimizer}: final val loss {val}, median step "
         f"{summary['median_step_ms']:.1f} ms, optimizer share {summary['optimizer_share']:.1%}; {kept}",
         flush=True,
     )

@@ -154,6 +154,8 @@ def saved_config(args: argparse.Namespace) -> dict | None:
     if not args.resume:
         return None
     target = Path(args.run_dir) if args.resume == "auto" else Path(args.resume)
+    if args.resume != "auto" and not target.exists():  # before the lock makes the run dir
+        raise UsageError(f"--resume {target}: no such directory")
     if target.parent.name == "checkpoints" and checkpoint.step_of(target) is not None:
         target = target.parent.parent
     config = _read_config(target / "config.json") if target.is_dir() else None

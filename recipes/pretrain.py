@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 if not __package__:  # run by path (python recipes/x.py, torchrun recipes/x.py): the repository's recipes
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, checkpoint.CheckpointError, RunFailure) as error:
         if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's failure report then ends with it
+            ErrorHandler().record_exception(error)
         return 2 if isinstance(error, UsageError) else 1
     finally:
         if dist.is_initialized() and not caller_group:

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -94,8 +94,8 @@ class Progress:
         foreach ops (``clip_grad_norm_`` on FSDP2 gradients) leave version counters as they were."""
         if not self.used:
             return None
-        now = torch._foreach_norm([local[i] for i in self.used], dtype=torch.float32)
-        then, now = torch.stack(self.norms).view(torch.int32), torch.stack(now).view(torch.int32)
+        norms = torch._foreach_norm([local[i] for i in self.used], dtype=torch.float32)
+        then, now = torch.stack(self.norms).view(torch.int32), torch.stack(norms).view(torch.int32)
         return (then != now).any().reshape(1).float()
 
 
@@ -118,6 +118,7 @@ class _SideStream:
         if self.module is None:
             yield
             return
+        assert self.stream is not None  # made with the module
         self.stream.wait_stream(self.module.current_stream(self.device))
         with self.module.stream(self.stream):
             yield
@@ -194,16 +195,23 @@ class BackwardStart:
         while (
             not progress.halted and run.launched < run.program.carrier and progress.missing[run.launched] == 0
         ):
-            k = run.launched
+            k, side = run.launched, self._side
+            assert side is not None  # made when armed, as the progress was
             if progress.inputs is None:
                 progress.inputs = _input_options(self._groups)
-            if not progress.joining and self._side.module is not None:
+            if not progress.joining and side.module is not None:
                 progress.joining = True  # what follows backward waits for the side stream
-                torch.autograd.Variable._execution_engine.queue_callback(self._side.join)
+                torch.autograd.Variable._execution_engine.queue_callback(side.join)
             read = self._first_reads[k]
-            grads = [progress.grads[i] for i in read]
-            with self._side.on(), run.stats.label("momentum"):
-                run.start(k, progress.grads, self._groups)
+            grads = []
+            for i in read:
+                grad = progress.grads[i]
+                assert grad is not None  # bucket k reads it: it landed (``missing[k]`` is 0)
+                grads.append(grad)
+            # Every gradient bucket k needs has landed; its stage reads no other (those may be None).
+            landed = cast("list[Tensor]", progress.grads)
+            with side.on(), run.stats.label("momentum"):
+                run.start(k, landed, self._groups)
                 progress.norms += torch._foreach_norm(grads, dtype=torch.float32) if grads else []
             progress.used.update((i, (g, g._version)) for i, g in zip(read, grads, strict=True))
 
@@ -224,14 +232,17 @@ class BackwardStart:
     ) -> tuple[Verdict, StepStats]:
         """The step (see the module docstring); returns the verdict and what this rank did."""
         progress, self._progress = self._progress, None  # hooks do nothing until armed again
-        rebound = progress is not None and progress.program is not program
-        if rebound and progress.program.plan is program.plan:
-            # Bound anew (same plan, same exchanges) since backward: go on with the new program's
-            # buffers, so that every rank launches the same exchanges, and redo from the start.
-            progress.run.program = program
-        elif rebound:
-            self._settle(progress)
-            progress, rebound = None, False
+        rebound = False
+        if progress is not None and progress.program is not program:
+            if progress.program.plan is program.plan:
+                # Bound anew (same plan, same exchanges) since backward: go on with the new
+                # program's buffers, so that every rank launches the same exchanges, and redo
+                # from the start.
+                progress.run.program = program
+                rebound = True
+            else:
+                self._settle(progress)
+                progress = None
         if progress is None:
             progress = Progress.of(program, options.time_phases)
         if self._side is not None:

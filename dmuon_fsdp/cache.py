@@ -176,6 +176,7 @@ class ProgramCache:
     def follow(self) -> None:
         """Every rank's key changed alike to the last step's (``Verdict.REBUILD``): the step runs
         again (no agreement needed: the flags were one) with its key's program."""
+        assert self._asked is not None  # a step ran: ``get`` set it
         self._use(self._asked)
         self._again = True
 
@@ -213,28 +214,30 @@ class ProgramCache:
             self._use(key)
         elif not checked or self._key is None:
             self._use(key)
+        in_use = self._key
+        assert in_use is not None  # ``_use`` set it, now or at an earlier step
         program = self.current
         if self._pool is None:
             self._pool = Pool(settings.device)
         if program is None or program.generation != self._pool.generation or program.moved(params, state):
-            self._bound.pop(self._key, None)
+            self._bound.pop(in_use, None)
             del program
             restore_state(groups, state)  # state cleared by hand starts afresh
-            planned = self._plans.get(self._key)
+            planned = self._plans.get(in_use)
             if planned is None:
                 while len(self._plans) >= PROGRAMS_KEPT:
                     self._bound.pop(self._plans.popitem(last=False)[0], None)
-                planned = self._plans[self._key] = plan_program(self._key, groups, state, names, settings)
+                planned = self._plans[in_use] = plan_program(in_use, groups, state, names, settings)
             generation = self._pool.generation
             program = bind(
-                planned.plan, planned.forms, planned.schedule, self._key, groups, state, settings, self._pool
+                planned.plan, planned.forms, planned.schedule, in_use, groups, state, settings, self._pool
             )
             if self._pool.generation != generation:  # the pool grew: the others bind anew when used
                 self._bound.clear()
             if stale_layouts(params, state):  # every rank hears of it at the verdict
                 return Ready(program, bound=False, agreement=agreement)  # (not kept: bound to old state)
-            self._bound[self._key] = program
-        self._plans.move_to_end(self._key)
+            self._bound[in_use] = program
+        self._plans.move_to_end(in_use)
         return Ready(program, bound=True, agreement=agreement)
 
 
@@ -289,8 +292,9 @@ def plan_program(
         param_of,
     )
     trouble = bool(stale_layouts(group_params(groups), state))
-    shared = key.checked and site.process_group is not None
-    if shared:
+    group = site.process_group if key.checked else None
+    shared = group is not None
+    if group is not None:
         identities = [
             (f"{m.name} ({m.rows}x{m.cols})", m.pieces, m.replicas, cost)
             for m, cost in zip(layouts, costs, strict=True)
@@ -300,7 +304,7 @@ def plan_program(
             key.digest,
             plan.signature() ^ settings.in_backward,  # where the flags ride and on which group
             identities,
-            site.process_group,
+            group,
             settings.device,
             settings.check_grads,
         )
@@ -363,9 +367,8 @@ def bind(
         binder = _Binder(plan, forms, schedule, entries, groups, state, settings, pool)
     buckets = binder.buckets
     wire = schedule.buckets[schedule.carrier].to_owners
-    flags = (
-        Flags.bind(buckets[schedule.carrier].to_owners) if wire is not None and wire.flag_elements else None
-    )
+    carrier = buckets[schedule.carrier].to_owners  # bound to ``wire``: None when it is
+    flags = Flags.bind(carrier) if carrier is not None and wire is not None and wire.flag_elements else None
     size = settings.comm_dtype.itemsize
     counts = {
         "ns_flops": sum(plan.costs[j] for bucket in schedule.buckets for j in bucket.owned),
@@ -433,7 +436,10 @@ class _Binder:
             for (s, l, form), batch in self.members(bucket.owned).items()
         ]
         self.workspace = (
-            tuple(work.take(max(size), settings.ns_dtype) for size in zip(*sizes, strict=True))
+            (
+                work.take(max(y for y, _ in sizes), settings.ns_dtype),
+                work.take(max(squares for _, squares in sizes), settings.ns_dtype),
+            )
             if sizes
             else None
         )
@@ -554,15 +560,16 @@ class _Binder:
         writes = Copies([], [])  # the rows' new second moments into the state, their factors out
         count = sum(slot.transfer.piece.rows for slot in from_owners.received if slot.per_row is not None)
         factors = back.take(count, torch.float32)
-        returned, offset = [], 0  # (transfer, its result, its rows' new second moments, factors)
+        returned: list[tuple[Transfer, Tensor, Tensor | None]] = []  # (transfer, its result, rows' factors)
+        offset = 0
         for slot in from_owners.received:
-            t, moments = slot.transfer, ()
+            t, row_factors = slot.transfer, None
             if slot.per_row is not None:
-                moments = self.second_moments(t), factors[offset : offset + t.piece.rows]
-                writes.add(as_wire(moments[0], comm_dtype), slot.second_moments)
-                writes.add(as_wire(moments[1], comm_dtype), slot.factors)
+                moments, row_factors = self.second_moments(t), factors[offset : offset + t.piece.rows]
+                writes.add(as_wire(moments, comm_dtype), slot.second_moments)
+                writes.add(as_wire(row_factors, comm_dtype), slot.factors)
                 offset += t.piece.rows
-            returned.append((t, slot.piece, *moments))
+            returned.append((t, slot.piece, row_factors))
         results = list(bucket.own_results)
         if self.staged or k + SLOTS < len(self.schedule.buckets):
             # through the wire's dtype (replicas round results alike), or kept from being overwritten
@@ -572,20 +579,20 @@ class _Binder:
         else:
             copies = [region(t) for t in results]
         for t, direction in zip(results, copies, strict=True):
-            moments = ()
+            row_factors = None
             if t.per_row:
-                v, f = owner_rows(t)
-                moments = self.second_moments(t), f
-                writes.add(moments[0], v)
-            returned.append((t, direction, *moments))
+                v, row_factors = owner_rows(t)
+                writes.add(self.second_moments(t), v)
+            returned.append((t, direction, row_factors))
         updates: dict[tuple[int, float], Updates] = {}
-        for t, direction, *moments in returned:
+        for t, direction, row_factors in returned:
             cls = self.update_class(t.matrix)
-            u = updates.setdefault(cls, Updates(*cls, [], [], [] if moments else None))
+            u = updates.setdefault(cls, Updates(*cls, [], [], [] if row_factors is not None else None))
             u.params.append(piece_of(self.locals[self.entry_of(t.matrix)], t.piece))
             u.directions.append(direction)
-            if moments:
-                u.factors.append(moments[1].view(-1, 1))
+            if row_factors is not None:
+                assert u.factors is not None  # a group's matrices are all NorMuon's or none is
+                u.factors.append(row_factors.view(-1, 1))
         for name, r in ((TO, to), (BACK, back)):
             self.needed[name, k % SLOTS] = max(self.needed[name, k % SLOTS], r.used)
         return BucketProgram(
@@ -610,7 +617,7 @@ class _Binder:
         by_entry: dict[int, list[tuple[Tensor, Transfer]]] = defaultdict(list)
         for view, t in feeds:
             by_entry[self.entry_of(t.matrix)].append((view, t))
-        inputs = []
+        inputs: list[NSInputs] = []
         for group, members in self._by_group(muon=True).items():
             straight, through = [], []
             for i in members:

@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,12 @@ from torch import Tensor
 from dmuon_fsdp import comm
 from dmuon_fsdp.normuon import STATE_KEY
 from dmuon_fsdp.state import local_shard
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    # A Muon matrix as the plans see it: its name, then whatever else a plan depends on.
+    Identity = tuple[str, Unpack[tuple[object, ...]]]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
@@ -220,6 +226,7 @@ class Flags:
             if self.send.device.type != "cpu":  # pinned, so that the copy does not block the host
                 values = values.pin_memory().to(self.send.device, non_blocking=True)
             self.digest, self.values = digest, values
+        assert self.values is not None  # made for the first digest: digests are never -1 (crc32s)
         return self.values
 
 
@@ -244,7 +251,7 @@ def agree_on_plan(
     trouble: bool,
     key_digest: int,
     signature: int,
-    identities: Sequence[tuple[str, Any]],
+    identities: Sequence[Identity],
     group: dist.ProcessGroup,
     device: torch.device,
     compare: bool,
@@ -285,7 +292,7 @@ def _text(text: str, group: dist.ProcessGroup, device: torch.device) -> list[str
 
 
 def _explain_plans(
-    identities: Sequence[tuple[str, Any]], group: dist.ProcessGroup, device: torch.device
+    identities: Sequence[Identity], group: dist.ProcessGroup, device: torch.device
 ) -> NoReturn:
     digests = [zlib.crc32(repr(identity).encode()) for identity in identities]
     table = _rows(digests, torch.int64, group, device)
@@ -324,11 +331,10 @@ def gradient_codes(params: Sequence[Tensor], stale: Collection[Tensor], nonfinit
                 code |= MISTYPED
         codes.append(code)
     if nonfinite != "ignore" and not any(code & INVALID_BITS for code in codes):
-        checked = [
-            i for i, code in enumerate(codes) if code & HAS_GRAD and local_shard(params[i].grad).numel()
-        ]
+        grads = {i: local_shard(g) for i, p in enumerate(params) if (g := p.grad) is not None}
+        checked = [i for i, g in grads.items() if g.numel()]
         if checked:
-            norms = torch._foreach_norm([local_shard(params[i].grad) for i in checked], math.inf)
+            norms = torch._foreach_norm([grads[i] for i in checked], math.inf)
             for i, bad in zip(checked, (~torch.stack(norms).isfinite()).tolist(), strict=True):
                 codes[i] |= NONFINITE if bad else 0
     return codes

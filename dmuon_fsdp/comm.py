@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +72,9 @@ def _references(views: tuple[Tensor, ...]) -> tuple[int, ...]:
     return tuple(sys.getrefcount(v) for v in views)
 
 
-def _start(collective, buffers: tuple[Tensor, ...], *args: Any, **kwargs: Any) -> Handle:
+def _start(
+    collective: Callable[..., dist.Work | None], buffers: tuple[Tensor, ...], *args: Any, **kwargs: Any
+) -> Handle:
     """``collective(*views of buffers, *args, async_op=True, **kwargs)`` as a Handle."""
     views = tuple(b.view(b.shape) for b in buffers)
     references = _references(views)
@@ -89,13 +91,13 @@ class Exchange:
     receive: Tensor
     send_counts: list[int]
     receive_counts: list[int]
-    process_group: dist.ProcessGroup
+    process_group: dist.ProcessGroup | None  # None: the default group
 
 
 def launch(exchange: Exchange) -> Handle:
     """Start ``exchange``; ``wait`` on the handle returns its receive buffer."""
 
-    def all_to_all(send_view, receive_view, **kwargs):
+    def all_to_all(send_view: Tensor, receive_view: Tensor, **kwargs: Any) -> dist.Work | None:
         return dist.all_to_all_single(
             receive_view, send_view, exchange.receive_counts, exchange.send_counts, **kwargs
         )
@@ -127,6 +129,7 @@ def exchange_group(ranks: Sequence[int], meshes: Sequence[DeviceMesh] = ()) -> E
         if len(ranks) == 1:
             return ExchangeGroup(None, 0, (0,))
         group = dist.group.WORLD
+        assert group is not None  # a job of more than one rank has initialized torch.distributed
     else:
         groups = [m.get_group(0) for m in meshes if m.ndim == 1 and sorted(m.mesh.tolist()) == ranks]
         group = groups[0] if groups else _new_group(ranks, "subset")

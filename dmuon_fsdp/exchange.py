@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_fsdp import comm
@@ -307,10 +308,12 @@ class Slot:
 
     @property
     def second_moments(self) -> Tensor:
+        assert self.per_row is not None  # asked of slots whose transfer carries per-row numbers
         return self.per_row[: self.per_row.numel() // 2]
 
     @property
     def factors(self) -> Tensor:
+        assert self.per_row is not None  # asked of slots whose transfer carries per-row numbers
         return self.per_row[self.per_row.numel() // 2 :]
 
 
@@ -341,7 +344,8 @@ def rows_of(local: Tensor, piece: Piece) -> Tensor:
 
 def slots(buffer: Tensor, segments: Sequence[Sequence[Transfer]], flag_elements: int) -> list[list[Slot]]:
     """Each transfer's slot in a flat buffer laid out segment after segment, flags first."""
-    out, offset = [], 0
+    out: list[list[Slot]] = []
+    offset = 0
     for segment in segments:
         offset += flag_elements
         out.append([])
@@ -362,7 +366,7 @@ def staging(transfers: Sequence[Transfer], dtype: torch.dtype, region: Region) -
     return slots(region.take(sum(t.numel for t in transfers), dtype), [transfers], 0)[0]
 
 
-def wired(wire: Wire | None, dtype: torch.dtype, region: Region, group: object) -> Wired:
+def wired(wire: Wire | None, dtype: torch.dtype, region: Region, group: dist.ProcessGroup | None) -> Wired:
     """``wire``'s send and receive buffers (from ``region``) and exchange over ``group``."""
     if wire is None:
         return Wired(None, [], [])

@@ -155,13 +155,14 @@ def _chunk(start: int, length: int, parts: int, index: int) -> tuple[int, int]:
 def _shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int], name: str) -> list[int]:
     """Mesh dims in the order their shards cut the tensor: mesh order, except that FSDP2's
     _StridedShard on top of tensor parallelism cuts after the later Shards of its dim."""
-    order, deferred = [], []
+    order: list[int] = []
+    deferred: list[int] = []
     for i, placement in enumerate(placements):
         if isinstance(placement, _StridedShard):
             later = [
                 mesh_shape[k]
-                for k in range(i + 1, len(placements))
-                if type(placements[k]) is Shard and placements[k].dim == placement.dim
+                for k, p in enumerate(placements[i + 1 :], i + 1)
+                if type(p) is Shard and p.dim == placement.dim
             ]
             if math.prod(later) != placement.split_factor or any(
                 isinstance(p, _StridedShard) and p.dim == placement.dim for p in placements[i + 1 :]
@@ -196,7 +197,9 @@ def rank_boxes(
     for coordinate in product(*(range(n) for n in mesh_shape)):
         offset, size = [0] * len(shape), list(shape)
         for i in order:
-            d = placements[i].dim % len(shape)
+            placement = placements[i]
+            assert isinstance(placement, (Shard, _StridedShard))  # order lists the sharded mesh dims
+            d = placement.dim % len(shape)
             offset[d], size[d] = _chunk(offset[d], size[d], mesh_shape[i], coordinate[i])
         boxes.append((tuple(offset), tuple(size)))
     return tuple(boxes)
@@ -229,6 +232,7 @@ def param_boxes(
     _shard_order(placements, mesh_shape, name)  # names the parameter if the layout is unsupported
     boxes = rank_boxes(shape, mesh_shape, placements)
     coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # this rank holds a shard of param, so it is on param's mesh
     me = _row_major(coordinate, mesh_shape)
     # DTensor's own rule for this rank's block must agree (an empty block's offset aside), as
     # must the local tensor.

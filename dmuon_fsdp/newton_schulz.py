@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 from torch import Tensor
@@ -82,26 +83,30 @@ def resolve_coefficients(
             )
         ns_coefficients = NAMED_COEFFICIENTS[ns_coefficients]
     items = list(ns_coefficients)
-    if len(items) == 3 and all(_is_real(x) for x in items):
-        triples = [tuple(float(x) for x in items)]
-    elif items and all(_is_triple(t) for t in items):
-        triples = [tuple(float(x) for x in t) for t in items]
-    else:
+    single = _as_triple(items)
+    parsed: list[Coefficients | None] = [single] if single is not None else [_as_triple(t) for t in items]
+    triples = [t for t in parsed if t is not None]
+    if not triples or len(triples) < len(parsed):
         raise ValueError(
             "ns_coefficients must be a name, an (a, b, c) triple of finite numbers or a non-empty "
             f"list of such triples, got {ns_coefficients!r}"
         )
     if not all(math.isfinite(x) for t in triples for x in t):
         raise ValueError(f"ns_coefficients must be finite, got {ns_coefficients!r}")
-    return tuple(triples[min(i, len(triples) - 1)] for i in range(ns_steps))  # type: ignore[misc]
+    return tuple(triples[min(i, len(triples) - 1)] for i in range(ns_steps))
 
 
-def _is_real(x: object) -> bool:
+def _is_real(x: object) -> TypeGuard[int | float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _is_triple(t: object) -> bool:
-    return isinstance(t, Sequence) and len(t) == 3 and all(_is_real(x) for x in t)
+def _as_triple(t: object) -> Coefficients | None:
+    """``t`` as an (a, b, c) triple of floats; None unless it is a sequence of three real numbers."""
+    if isinstance(t, Sequence) and len(t) == 3:
+        a, b, c = t
+        if _is_real(a) and _is_real(b) and _is_real(c):
+            return (float(a), float(b), float(c))
+    return None
 
 
 def default_ns_dtype(device: torch.device) -> torch.dtype:

@@ -58,7 +58,7 @@ def second_moment_like(param: Tensor, flatten: bool) -> Tensor:
     stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
     zeros = torch.zeros(tuple(local), dtype=torch.float32, device=param.device)
     return DTensor.from_local(
-        zeros, param.device_mesh, placements, run_check=False, shape=shape, stride=stride
+        zeros, param.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
     )
 
 
@@ -91,8 +91,8 @@ class NeuronNorm:
     eps: list[float]
 
     def run(self) -> None:
-        for norms in self.norms:
-            norms.run()
+        for row_norms in self.norms:
+            row_norms.run()
         torch._foreach_mul_(self.v, self.betas)
         torch._foreach_addcmul_(self.v, self.rows, self.rows, self.weights)  # mean of O**2 per row
         f = self.factors
@@ -132,12 +132,15 @@ def bind_neurons(
         return None
     dtypes = (torch.promote_types(ns_dtype, torch.float32), torch.float32, torch.float32)
     flats = [take(total, dtype) for dtype in dtypes]
-    norms, lists, owned, offset = (
-        [],
-        {k: [] for k in ("rows", "v", "factors", "betas", "weights", "eps")},
-        {},
-        0,
-    )
+    norms: list[RowNorms] = []
+    row_views: list[Tensor] = []  # per matrix, its rows' norms, second moments and factors
+    v_views: list[Tensor] = []
+    factor_views: list[Tensor] = []
+    betas: list[float] = []
+    weights: list[float] = []
+    epss: list[float] = []
+    owned: dict[int, tuple[Tensor, Tensor]] = {}
+    offset = 0
     for stack, shapes, (beta2, eps) in normed:
         wide = sum(rows <= cols for rows, cols in shapes.values())
         start = offset
@@ -147,11 +150,12 @@ def bind_neurons(
                 norms.append(RowNorms(part, dim, flats[0][start : start + size].view(part.shape[0], -1)))
                 start += size
         for j, (rows, cols) in shapes.items():
-            for name, flat in zip(("rows", "v", "factors"), flats, strict=True):
-                lists[name].append(flat[offset : offset + rows])
-            lists["betas"].append(beta2)
-            lists["weights"].append((1.0 - beta2) / cols)
-            lists["eps"].append(eps)
-            owned[j] = lists["v"][-1], lists["factors"][-1]
+            for views, flat in zip((row_views, v_views, factor_views), flats, strict=True):
+                views.append(flat[offset : offset + rows])
+            betas.append(beta2)
+            weights.append((1.0 - beta2) / cols)
+            epss.append(eps)
+            owned[j] = v_views[-1], factor_views[-1]
             offset += rows
-    return BoundNeurons(NeuronNorm(tuple(norms), **lists), owned)
+    norm = NeuronNorm(tuple(norms), row_views, v_views, factor_views, betas, weights, epss)
+    return BoundNeurons(norm, owned)

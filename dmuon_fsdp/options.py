@@ -118,7 +118,8 @@ def split_group(
     if use_muon not in (None, True, False):
         raise ValueError(f"use_muon must be True, False or unset, got {use_muon!r}")
     names: dict[Tensor, str] = {}
-    muon, adamw = [], []
+    muon: list[Tensor | tuple[str, Tensor]] = []  # the items as given: tensors or (name, tensor)
+    adamw: list[Tensor | tuple[str, Tensor]] = []
     for i, item in enumerate(params):
         name, p = item if isinstance(item, tuple) else (f"parameter {first_index + i}", item)
         if not isinstance(p, Tensor):

@@ -71,7 +71,7 @@ def _heads(model: nn.Module, head: str | nn.Module | None) -> list[nn.Module]:
     return [guess] if guess is not None else []
 
 
-def routing(model: nn.Module, head: str | nn.Module | None = None) -> dict[nn.Parameter, tuple[str, bool]]:
+def routing(model: nn.Module, head: str | nn.Module | None = None) -> dict[Tensor, tuple[str, bool]]:
     """Each parameter of ``model``: (its qualified name, whether it goes to Muon), by the rule of
     ``param_groups`` (trainable or not), ``head`` included; ``DMuonFSDP(route=model)`` uses it, so
     an ambiguous guess of the head warns there too."""
@@ -113,7 +113,9 @@ def param_groups(
     Example: ``DMuonFSDP(param_groups(model, lr=0.02), adamw_lr=3e-4)``.
     """
     stacked = (stacked,) if isinstance(stacked, str) else tuple(stacked)
-    muon, stacks, adamw = [], [], []
+    muon: list[tuple[str, Tensor]] = []
+    stacks: list[tuple[str, Tensor]] = []
+    adamw: list[tuple[str, Tensor]] = []
     for p, (name, to_muon) in routing(model, head).items():
         if p.requires_grad:
             stack = to_muon and any(text in name for text in stacked)

@@ -92,15 +92,16 @@ def assign_owners(
     loads = [0] * world_size
     owners = [0] * len(costs)
     heap = [(0, rank) for rank in range(world_size)]  # may hold stale entries; loads is the truth
-    for j in [j for j in order if allowed[j] is not None and len(allowed[j]) == 1] + [
-        j for j in order if allowed[j] is None or len(allowed[j]) > 1
+    for j in [j for j in order if (a := allowed[j]) is not None and len(a) == 1] + [
+        j for j in order if (a := allowed[j]) is None or len(a) > 1
     ]:
-        if allowed[j] is None:
+        ranks = allowed[j]
+        if ranks is None:
             while heap[0][0] != loads[heap[0][1]]:
                 heapq.heappop(heap)
             rank = heap[0][1]
         else:
-            rank = min(allowed[j], key=lambda r: (loads[r], r))
+            rank = min(ranks, key=lambda r: (loads[r], r))
         owners[j] = rank
         loads[rank] += costs[j]
         heapq.heappush(heap, (loads[rank], rank))

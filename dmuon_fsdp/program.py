@@ -61,7 +61,7 @@ from dmuon_fsdp.exchange import SLOTS
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
 from dmuon_fsdp.normuon import NeuronNorm
 from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.state import adamw, input_weight, local_shard, muon_input
+from dmuon_fsdp.state import AdamWKernel, adamw, input_weight, local_shard, muon_input
 
 if TYPE_CHECKING:
     from dmuon_fsdp.options import Options
@@ -211,7 +211,7 @@ class AdamWLists:
     exp_avgs: list[Tensor]
     exp_avg_sqs: list[Tensor]
     steps: list[Tensor]
-    kernel: dict[str, bool]
+    kernel: AdamWKernel
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,11 @@ class StepProgram:
     def local_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor] | None:
         """This rank's gradient shards in entry order, or None when one is sparse or shaped or
         typed unlike its parameter (``grads`` holds every optimizer parameter's ``.grad``)."""
-        local = [local_shard(grads[e.position]) for e in self.entries]
+        local = []
+        for e in self.entries:
+            grad = grads[e.position]
+            assert grad is not None  # callers check the step's key: its entries are those with a gradient
+            local.append(local_shard(grad))
         if [g.shape for g in local] != self.grad_shapes or [g.dtype for g in local] != self.grad_dtypes:
             return None
         return None if any(g.layout != torch.strided for g in local) else local
@@ -272,7 +276,9 @@ class StepProgram:
         if nonfinite != "ignore" and local is not None:
             indicator = nonfinite_indicator(local, self.found, self.one)
         if self.flags is not None:
-            send = self.buckets[self.carrier].to_owners.send
+            exchange = self.buckets[self.carrier].to_owners
+            assert exchange is not None  # the flags are bound into the carrier's exchange to owners
+            send = exchange.send
             if local is None or key != self.key or redo:
                 invalid = key == self.key and local is None
                 found = encode(key.digest ^ hyper, invalid=invalid, redo=redo)
@@ -303,7 +309,9 @@ class StepProgram:
         all step this program with the same per-step options."""
         if self.flags is not None:
             with stats.phase("wait"):
-                summary = wait(carrier)[self.flags.receive].amax(0).tolist()
+                received = wait(carrier)
+                assert received is not None  # the carrier's exchange holds the flags: it was launched
+                summary = received[self.flags.receive].amax(0).tolist()
         else:
             summary = encode(expected, invalid=local is None, redo=redo)
             if indicator is not None and changed is not None:  # one read for both
@@ -365,7 +373,7 @@ class StepRun:
     to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
     from_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
 
-    def start(self, k: int, grads: Sequence[Tensor | None] | None, groups: Sequence[dict[str, Any]]) -> None:
+    def start(self, k: int, grads: list[Tensor] | None, groups: Sequence[dict[str, Any]]) -> None:
         """Make bucket ``k``'s NS inputs from ``grads`` (entry order; None: none, its results
         will not be used) and launch its exchange to the owners; buckets start in order."""
         if k != self.launched:
@@ -425,6 +433,7 @@ class StepRun:
                 )
                 if verdict is not Verdict.GO:
                     return self.abandon(verdict)
+                assert local is not None  # else the flags (or this rank's findings) say INVALID
                 program.decay(groups, stats)
                 program.adamw_step(local, groups, stats)
             if k >= carrier:  # bucket k - 2's way back is bucket k's: applied first
@@ -433,6 +442,7 @@ class StepRun:
             if not options.overlap and k >= carrier:
                 applied = self.apply_through(k, applied, groups)
         self.apply_through(n - 1, applied, groups)
+        assert local is not None  # the carrier (one of the buckets) had a GO verdict
         program.commit_momentum(local, groups, stats)
         stats.count(**program.counts)
         return verdict

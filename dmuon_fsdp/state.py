@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -92,7 +92,14 @@ def muon_input(
         torch._foreach_copy_(dst, torch._foreach_lerp(grads, buffers, weight))
 
 
-def adamw_kernel(params: list[Tensor]) -> dict[str, bool]:
+class AdamWKernel(TypedDict):
+    """Which of ``torch.optim.adamw.adamw``'s implementations runs: its ``fused`` and ``foreach``."""
+
+    fused: bool
+    foreach: bool
+
+
+def adamw_kernel(params: list[Tensor]) -> AdamWKernel:
     """``fused`` where torch has a fused AdamW for these tensors (CUDA, CPU, ...), else ``foreach``."""
     fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=True)
     return {"fused": fused, "foreach": foreach}
@@ -105,7 +112,7 @@ def adamw(
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     group: dict[str, Any],
-    kernel: dict[str, bool],
+    kernel: AdamWKernel,
 ) -> None:
     """One ``torch.optim.AdamW`` step of ``group``'s settings on these local tensors."""
     beta1, beta2 = group["betas"]

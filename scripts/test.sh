@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, lint (ruff check, ruff format --check: the settings in pyproject.toml),
-# then run the whole test suite in parallel (CPU + gloo). Arguments go to pytest.
+# Set up .venv if needed, lint (ruff check, ruff format --check), type-check dmuon_fsdp/ (mypy; the
+# settings of both in pyproject.toml), then run the whole test suite in parallel (CPU + gloo).
+# Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh dev,recipes
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
+.venv/bin/python -m mypy
 exec .venv/bin/python -m pytest -n "${DMUON_TEST_WORKERS:-2}" "$@"

@@ -91,6 +91,14 @@ class RunFailure(Exception):
     """A file rank 0 could not write (metrics, config, summary, pruning); the message names it."""
 
 
+def rank0_says(message: str | None) -> str | None:
+    """Rank 0's ``message`` on every rank (a rare-path collective), so that every rank raises,
+    and records for torchrun's report, the error rank 0 prints."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class Rank0Files:
     """Rank 0's own file work. A failure is kept, and ``agree`` (the step's one reduction)
     raises it on every rank, so none is left waiting in a collective for rank 0."""
@@ -115,7 +123,7 @@ class Rank0Files:
         sums = torch.tensor([float(self.error is not None), *values], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums)
         if sums[0].item():
-            raise RunFailure(self.error or "rank 0 could not write to the run directory")
+            raise RunFailure(rank0_says(self.error) or "rank 0 could not write to the run directory")
         return sums[1:].tolist()
 
 
@@ -144,7 +152,8 @@ def take_lock(directory: Path, files: Rank0Files) -> RunLock | None:
     failed = torch.tensor([float(failure is not None)], device=files.device)
     dist.all_reduce(failed)
     if failed.item():
-        raise failure or UsageError("rank 0 could not lock the run directory")
+        message = rank0_says(str(failure) if failure else None)
+        raise UsageError(message or "rank 0 could not lock the run directory")
     return lock
 
 

@@ -12,20 +12,6 @@ import warnings
 
 import pytest
 import torch
-from moe import moe_block
-from paired_runs import (
-    BUCKET,
-    STEPS,
-    Stack,
-    compare,
-    full,
-    inputs,
-    pair,
-    plain_step,
-    sharded,
-    train,
-)
-from spawn import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -33,11 +19,24 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import dmuon_fsdp
 from dmuon_fsdp import DMuonFSDP, param_groups
 from dmuon_fsdp.exchange import SLOTS
+from tests.support.moe import moe_block
+from tests.support.paired_runs import (
+    BUCKET,
+    STEPS,
+    Stack,
+    compare,
+    inputs,
+    pair,
+    plain_step,
+    sharded,
+)
+from tests.support.spawn import run_ranks
+from tests.support.training import full, train
 
 
 def fsdp_equal(rank, world_size, ns_algorithm, variant="muon"):
     runs = pair(sharded, ns_algorithm=ns_algorithm, ns_dtype=torch.float32, variant=variant)
-    history = train(runs, plain_step)
+    history = train(runs, STEPS, step=plain_step)
     return compare(runs), history, len(runs[1][1].plan.buckets)
 
 
@@ -80,7 +79,7 @@ def hsdp_and_tp(rank, world_size, layout):
             return model
 
         runs = pair(make)
-    history = train(runs, plain_step)
+    history = train(runs, STEPS, step=plain_step)
     return compare(runs), history
 
 
@@ -107,7 +106,7 @@ def experts_pair(rank, world_size):
         opt.zero_grad()
         return loss.detach()
 
-    history = train(runs, step_fn, steps=7)
+    history = train(runs, 7, step=step_fn)
     return compare(runs), history
 
 
@@ -137,7 +136,7 @@ def accumulate(rank, world_size, sync_every_micro_batch):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = train(runs, step_fn)
+        history = train(runs, STEPS, step=step_fn)
     redo_warnings = sum("redone" in str(w.message) for w in caught)
     return compare(runs), history, redo_warnings
 
@@ -168,7 +167,7 @@ def clipped(rank, world_size, max_norm, ours):
         opt.zero_grad()
         return loss.detach()
 
-    history = train(runs, step_fn)
+    history = train(runs, STEPS, step=step_fn)
     return compare(runs), history, norms
 
 
@@ -202,7 +201,7 @@ def test_one_process_closures_schedulers_and_zero_grad_modes(set_to_none):
         schedulers[runs.index((model, opt))].step()
         return loss.detach()
 
-    history = train(runs, step_fn, steps=6)
+    history = train(runs, 6, step=step_fn)
     assert compare(runs) == []
     assert all(started > 0 and not redone for _, started, redone in history[1:])
     assert runs[0][1].state_dict()["param_groups"] == runs[1][1].state_dict()["param_groups"]
@@ -220,7 +219,7 @@ def reloaded_between_backward_and_step(rank, world_size):
         opt.zero_grad()
         return loss.detach()
 
-    history = train(runs, step_fn)
+    history = train(runs, STEPS, step=step_fn)
     return compare(runs), history
 
 

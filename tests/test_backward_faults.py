@@ -8,7 +8,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from paired_runs import (
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import dmuon_fsdp
+from dmuon_fsdp import DMuonFSDP, NonFiniteGradientError
+from tests.support.paired_runs import (
     BUCKET,
     STEPS,
     Stack,
@@ -18,14 +23,9 @@ from paired_runs import (
     plain_step,
     sharded,
     snapshot,
-    train,
 )
-from spawn import cpu_mesh, run_ranks
-from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
-
-import dmuon_fsdp
-from dmuon_fsdp import DMuonFSDP, NonFiniteGradientError
+from tests.support.spawn import cpu_mesh, run_ranks
+from tests.support.training import train
 
 
 def failing(rank, world_size, fault, nonfinite):
@@ -121,7 +121,7 @@ def replicated(rank, world_size):
             warnings.simplefilter("always")
             opt = DMuonFSDP(model.parameters(), bucket_bytes=BUCKET, overlap_backward=overlap)
         runs.append((model, opt))
-    history = train(runs, plain_step)
+    history = train(runs, STEPS, step=plain_step)
     return compare(runs), history, [str(w.message) for w in caught]
 
 
@@ -200,7 +200,7 @@ def rebound_on_one_rank(rank, world_size):
         opt.zero_grad()
         return loss.detach()
 
-    history = train(runs, step_fn)
+    history = train(runs, STEPS, step=step_fn)
     return compare(runs), history
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_muon_step, relative_error
-from spawn import cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
+from tests.support.reference import reference_muon_step, relative_error
+from tests.support.spawn import cpu_mesh, run_ranks
+from tests.support.training import train
 
 # name -> (shape, group options, row blocks of the (rows, cols) view)
 CASES = {
@@ -64,18 +65,16 @@ def _groups(model):
     return [{"params": [(n, model.ws[n])], **options} for n, (_, options, _) in CASES.items()]
 
 
-def _train(model, opt, loss=None):
+def _given(loss):
+    """``loss`` (the model or its DDP wrapper) as a function of the step, on ``_data()``'s gradients."""
     _, grads = _data()
-    for step_grads in grads:
-        (loss or model)({n: g.float() for n, g in step_grads.items()}).backward()
-        opt.step()
-        opt.zero_grad()
+    return lambda step: loss({n: g.float() for n, g in grads[step].items()})
 
 
 def test_blocks_single_process():
     model = Fused()
     opt = DMuonFSDP(_groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
-    _train(model, opt)
+    train([(model, opt)], STEPS, loss=_given(model))
     expected = _reference()
     for name in CASES:
         assert relative_error(model.ws[name].detach(), expected[name]) <= 1e-5, name
@@ -87,7 +86,7 @@ def sharded_blocks(rank, world_size, ns_algorithm):
     opt = DMuonFSDP(
         _groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, ns_algorithm=ns_algorithm
     )
-    _train(model, opt)
+    train([(model, opt)], STEPS, loss=_given(model))
     params = {n: model.ws[n].full_tensor() for n in CASES}
     # An optimizer over the expert stack alone: experts sharded on the expert dim stay put.
     experts_only = DMuonFSDP([{"params": [model.ws["experts"]], "flatten": False}], ns_dtype=torch.float32)
@@ -110,7 +109,7 @@ def test_blocks_across_shard_boundaries_match_separate_matrices(ns_algorithm):
 def replicated_blocks(rank, world_size):
     model = Fused()
     opt = DMuonFSDP(_groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
-    _train(model, opt, DistributedDataParallel(model))
+    train([(model, opt)], STEPS, loss=_given(DistributedDataParallel(model)))
     return {n: model.ws[n].detach() for n in CASES}
 
 

@@ -5,23 +5,17 @@ from __future__ import annotations
 import copy
 import warnings
 
-import checkpoints
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from models import gradients, make_groups, sharded_model
-from reference import relative_error
-from spawn import run_ranks
 from torch import nn
 
 from dmuon_fsdp import DMuonFSDP
-
-
-def _train(model, opt, steps):
-    for step in steps:
-        model({n: g.float() for n, g in gradients(step).items()}).backward()
-        opt.step()
-        opt.zero_grad()
+from tests.support import checkpoints
+from tests.support.models import loss_of, make_groups, sharded_model
+from tests.support.reference import relative_error
+from tests.support.spawn import run_ranks
+from tests.support.training import train
 
 
 def _snapshot(model, opt):
@@ -39,9 +33,9 @@ def _snapshot(model, opt):
 def save_then_continue(rank, world_size, path):
     model = sharded_model()
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
-    _train(model, opt, range(2))
+    train([(model, opt)], range(2), loss=loss_of(model))
     checkpoints.save(model, opt, path)
-    _train(model, opt, range(2, 4))
+    train([(model, opt)], range(2, 4), loss=loss_of(model))
     return _snapshot(model, opt)
 
 
@@ -49,7 +43,7 @@ def load_then_continue(rank, world_size, path):
     model = sharded_model()
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
     checkpoints.load(model, opt, path)
-    _train(model, opt, range(2, 4))
+    train([(model, opt)], range(2, 4), loss=loss_of(model))
     return _snapshot(model, opt)
 
 
@@ -106,10 +100,10 @@ def frozen_round_trip(rank, world_size, path):
     model.holders["sq2"].weight.requires_grad_(False)
     model.holders["b5"].weight.requires_grad_(False)
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32)
-    _train(model, opt, range(2))
+    train([(model, opt)], range(2), loss=loss_of(model))
     checkpoints.save(model, opt, path)
     reference = _snapshot(model, opt)
-    _train(model, opt, range(2, 4))
+    train([(model, opt)], range(2, 4), loss=loss_of(model))
     expected = _snapshot(model, opt)
     fresh = sharded_model()
     for name in ("sq2", "b5"):
@@ -117,7 +111,7 @@ def frozen_round_trip(rank, world_size, path):
     fresh_opt = DMuonFSDP(make_groups(fresh), ns_dtype=torch.float32)
     checkpoints.load(fresh, fresh_opt, path)
     loaded = _snapshot(fresh, fresh_opt)
-    _train(fresh, fresh_opt, range(2, 4))
+    train([(fresh, fresh_opt)], range(2, 4), loss=loss_of(fresh))
     return reference, loaded, expected, _snapshot(fresh, fresh_opt)
 
 

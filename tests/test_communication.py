@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paired_runs import DIMS, inputs, sharded
-from spawn import run_ranks
 
 from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp.checks import FLAG_ELEMENTS
 from dmuon_fsdp.exchange import SLOTS
 from dmuon_fsdp.program import PHASES
 from instruments.counters import CollectiveCalls, HostReads
+from tests.support.paired_runs import DIMS, inputs, sharded
+from tests.support.spawn import run_ranks
 
 
 def expected_splits(plan, rank, world, flags):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import SHAPES, VECTORS, initial_params, reference_run, sharded_run
-from reference import relative_error
-from spawn import run_ranks
+
+from tests.support.models import SHAPES, VECTORS, initial_params, reference_run, sharded_run
+from tests.support.reference import relative_error
+from tests.support.spawn import run_ranks
 
 TOLERANCE = 1e-5
 

@@ -5,32 +5,35 @@ its state resumes through DCP on another world size; a layer's E experts cost O(
 
 from __future__ import annotations
 
-import checkpoints
 import pytest
 import torch
-from layout_runs import check, full, train
-from moe import moe_block
-from reference import relative_error
-from spawn import run_ranks
 from torch import nn
 
 from dmuon_fsdp import DMuonFSDP, param_groups
 from instruments.counters import OpCounter
+from tests.support import checkpoints
+from tests.support.layout_runs import against_reference, check
+from tests.support.moe import moe_block
+from tests.support.reference import relative_error
+from tests.support.spawn import run_ranks
+from tests.support.training import full, train
 
 # step -> (use the MoE block, dead expert): a dead expert gets a zero gradient, a skipped block none.
 SCHEDULE = [(True, None), (False, None), (True, 0), (True, None)]
+
+
+def _scheduled(model):
+    """The block's loss as a function of the step, as ``SCHEDULE`` (repeated) has it."""
+    return lambda step: model(step, *SCHEDULE[step % len(SCHEDULE)])
 
 
 def experts_vs_reference(rank, world_size, style, experts, efsdp, ep):
     model = moe_block(style, experts, efsdp, ep)
     placements = {n: tuple(type(pl).__name__ for pl in p.placements) for n, p in model.named_parameters()}
 
-    def loss(step):
-        use_experts, dead = SCHEDULE[step]
-        return model(step, use_experts, dead)
-
     # The expert stacks form a group with flatten=False: the reference takes each expert alone.
-    errors, counts = train(model, param_groups(model, stacked="experts"), loss, steps=len(SCHEDULE))
+    groups = param_groups(model, stacked="experts")
+    errors, counts = against_reference(model, groups, _scheduled(model), steps=len(SCHEDULE))
     return errors, counts, placements["experts.w1"]
 
 
@@ -54,13 +57,6 @@ def test_hsdp_times_expert_parallel_on_8_ranks():
     check([r[:2] for r in results], min_owners=8)
 
 
-def _train(model, opt, steps):
-    for step in steps:
-        model(step, *SCHEDULE[step % len(SCHEDULE)]).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def _snapshot(model, opt):
     out = {n: full(p).detach() for n, p in model.named_parameters()}
     out.update(
@@ -72,9 +68,9 @@ def _snapshot(model, opt):
 def save_then_continue(rank, world_size, path):
     model = moe_block("unflatten", 4, 2, 2)
     opt = DMuonFSDP(param_groups(model, stacked="experts"), ns_dtype=torch.float32)
-    _train(model, opt, range(3))
+    train([(model, opt)], range(3), loss=_scheduled(model))
     checkpoints.save(model, opt, path)
-    _train(model, opt, range(3, 5))
+    train([(model, opt)], range(3, 5), loss=_scheduled(model))
     return _snapshot(model, opt)
 
 
@@ -82,7 +78,7 @@ def load_then_continue(rank, world_size, path):
     model = moe_block("unflatten", 4, 1, 2)  # 2 ranks: experts over ep only, dense over both
     opt = DMuonFSDP(param_groups(model, stacked="experts"), ns_dtype=torch.float32)
     checkpoints.load(model, opt, path)
-    _train(model, opt, range(3, 5))
+    train([(model, opt)], range(3, 5), loss=_scheduled(model))
     return _snapshot(model, opt)
 
 

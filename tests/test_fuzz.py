@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import sharded_run
-from reference import reference_muon_step, relative_error
-from spawn import cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP
+from tests.support.models import sharded_run
+from tests.support.reference import reference_muon_step, relative_error
+from tests.support.spawn import cpu_mesh, run_ranks
 
 
 class Matrices(nn.Module):

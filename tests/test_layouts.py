@@ -7,7 +7,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -15,6 +14,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp.layouts import rank_boxes, replica_indices
+from tests.support.spawn import run_ranks
 
 
 def _error(params, **options):

@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from layout_runs import SHAPES, STEPS, Weights, check, given_gradients, train
-from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -17,6 +15,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
+from tests.support.layout_runs import SHAPES, STEPS, Weights, against_reference, check, given_gradients
+from tests.support.spawn import run_ranks
+from tests.support.training import train
 
 
 def hsdp(rank, world_size):
@@ -24,7 +25,7 @@ def hsdp(rank, world_size):
     model = Weights(SHAPES)
     fully_shard(model, mesh=mesh)
     assert model.ws["w13"].placements == (Replicate(), Shard(0))
-    return train(model, list(model.named_parameters()), model)
+    return against_reference(model, list(model.named_parameters()), model)
 
 
 def test_hsdp_orthogonalizes_each_matrix_once_in_the_job():
@@ -40,7 +41,7 @@ def ddp(rank, world_size, replicate_dtensor):
         loss = model
     else:
         loss = DistributedDataParallel(model)
-    return train(model, list(model.named_parameters()), loss)
+    return against_reference(model, list(model.named_parameters()), loss)
 
 
 @pytest.mark.parametrize("world_size,replicate_dtensor", [(2, False), (3, False), (2, True)])
@@ -56,10 +57,7 @@ def ddp_lower_precision_wire(rank, world_size, variant, ns_dtype, comm_dtype):
     model = Weights(SHAPES)
     loss = DistributedDataParallel(model)
     opt = DMuonFSDP(model.parameters(), lr=0.05, ns_dtype=ns_dtype, comm_dtype=comm_dtype, variant=variant)
-    for step in range(STEPS):
-        loss(step).backward()
-        opt.step()
-        opt.zero_grad()
+    train([(model, opt)], STEPS, loss=loss)
     return {n: p.detach() for n, p in model.named_parameters()} | {
         f"state {n} {k}": v for n, p in model.named_parameters() for k, v in opt.state[p].items()
     }
@@ -107,7 +105,7 @@ def fsdp_tp(rank, world_size, hidden):
         return model(x).pow(2).sum()
 
     loss = forward_loss if hidden % 2 == 0 else given_gradients(model)
-    return (*train(model, list(model.named_parameters()), loss), placements)
+    return (*against_reference(model, list(model.named_parameters()), loss), placements)
 
 
 @pytest.mark.parametrize("hidden", [14, 13])
@@ -134,7 +132,7 @@ def experts(rank, world_size, dim):
         {"params": [("experts", model.ws["experts"])], "flatten": False},
         {"params": [("w13", model.ws["w13"])]},
     ]
-    return train(model, groups, model)
+    return against_reference(model, groups, model)
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2])
@@ -155,7 +153,7 @@ def pipeline_stages(rank, world_size):
     else:
         model = Weights({"tall": (40, 8), "conv": (6, 3, 3, 3), "w9": (9, 13)})
         fully_shard(model, mesh=mesh["shard"])
-    result = train(model, list(model.named_parameters()), model)
+    result = against_reference(model, list(model.named_parameters()), model)
     everyone = torch.ones(1)
     dist.all_reduce(everyone, group=dist.new_group([0, 1, 2, 3]))
     return (*result, stage, everyone.item())
@@ -177,7 +175,7 @@ def permuted_meshes(rank, world_size, mesh_ranks, placements):
     model = Weights(SHAPES)
     for name, p in list(model.ws.items()):
         model.ws[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
-    return train(model, list(model.named_parameters()), model)
+    return against_reference(model, list(model.named_parameters()), model)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_orthogonalize, relative_error
 from torch.utils.flop_counter import FlopCounterMode
 
 from dmuon_fsdp.newton_schulz import (
@@ -21,6 +20,7 @@ from dmuon_fsdp.newton_schulz import (
     standard_segments,
 )
 from instruments.plans import newton_schulz_flops
+from tests.support.reference import reference_orthogonalize, relative_error
 
 
 @pytest.mark.parametrize("shape", [(8, 32), (32, 8), (16, 16), (1, 5), (5, 1)])

@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import re
 
-import checkpoints
 import pytest
 import torch
-from layout_runs import SHAPES, Weights, check, full, given_gradients, train
-from reference import KELLER, reference_muon_step, reference_orthogonalize, relative_error
-from spawn import cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -22,6 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
 from instruments.plans import chunk_row_counts
+from tests.support import checkpoints
+from tests.support.layout_runs import SHAPES, Weights, against_reference, check, given_gradients
+from tests.support.reference import KELLER, reference_muon_step, reference_orthogonalize, relative_error
+from tests.support.spawn import cpu_mesh, run_ranks
+from tests.support.training import full, train
 
 NORMUON = dict(variant="normuon", normuon_beta2=0.9, normuon_eps=1e-6)
 # Fused QKV rows cut at 5 and 9 (over 4 ranks: 4, 4, 4, 1 rows), 2 heads of 6 rows, an expert stack
@@ -31,7 +32,9 @@ BLOCKS = {"qkv": (13, 9), "heads": (12, 10), "experts": (3, 8, 12)}
 def fsdp(rank, world_size, ns_algorithm):
     model = Weights(SHAPES)
     fully_shard(model, mesh=cpu_mesh())
-    return train(model, list(model.named_parameters()), model, ns_algorithm=ns_algorithm, **NORMUON)
+    return against_reference(
+        model, list(model.named_parameters()), model, ns_algorithm=ns_algorithm, **NORMUON
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -56,7 +59,7 @@ def layouts(rank, world_size, layout):
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
         loss = given_gradients(model)
-    return train(model, list(model.named_parameters()), loss, **NORMUON)
+    return against_reference(model, list(model.named_parameters()), loss, **NORMUON)
 
 
 @pytest.mark.parametrize("layout,world_size", [("hsdp", 4), ("ddp", 3), ("fsdp_tp", 4)])
@@ -74,7 +77,7 @@ def blocks_and_mixed_groups(rank, world_size):
         {"params": [("ws.experts", ws["experts"])], "flatten": False},
         {"params": [("ws.muon", ws["muon"])], "variant": "muon"},  # the other variant beside
     ]
-    return train(model, groups, model, **NORMUON)
+    return against_reference(model, groups, model, **NORMUON)
 
 
 def test_row_blocks_heads_experts_and_a_muon_group_beside():
@@ -84,7 +87,7 @@ def test_row_blocks_heads_experts_and_a_muon_group_beside():
 def test_one_process():
     model = Weights({**SHAPES, **BLOCKS})
     groups = [{"params": [(f"ws.{n}", p)], "flatten": n != "experts"} for n, p in model.ws.items()]
-    errors, _ = train(model, groups, model, **NORMUON)
+    errors, _ = against_reference(model, groups, model, **NORMUON)
     assert max(errors.values()) <= 1e-5, errors
 
 
@@ -93,7 +96,7 @@ def shard_local(rank, world_size):
     (a shard-local approximation) would give."""
     model = Weights({"w": (8, 6)})
     fully_shard(model, mesh=cpu_mesh())
-    errors, _ = train(model, list(model.named_parameters()), model, steps=1, **NORMUON)
+    errors, _ = against_reference(model, list(model.named_parameters()), model, steps=1, **NORMUON)
     w = full(model.ws["w"]).detach().double()
     return errors["ws.w"], w
 
@@ -163,9 +166,9 @@ def save_then_continue(rank, world_size, path):
     model = Weights(SHAPES)
     fully_shard(model, mesh=cpu_mesh())
     opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32, **NORMUON)
-    _steps(model, opt, range(2))
+    train([(model, opt)], range(2), loss=model)
     checkpoints.save(model, opt, path)
-    _steps(model, opt, range(2, 4))
+    train([(model, opt)], range(2, 4), loss=model)
     return _snapshot(model, opt)
 
 
@@ -174,15 +177,8 @@ def load_then_continue(rank, world_size, path):
     fully_shard(model, mesh=cpu_mesh())
     opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32, **NORMUON)
     checkpoints.load(model, opt, path)
-    _steps(model, opt, range(2, 4))
+    train([(model, opt)], range(2, 4), loss=model)
     return _snapshot(model, opt)
-
-
-def _steps(model, opt, steps):
-    for step in steps:
-        model(step).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _snapshot(model, opt):

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from models import LLAMA_SHAPES
 
 from dmuon_fsdp.layouts import MatrixLayout, Piece
 from dmuon_fsdp.planner import assign_owners, bucket_shares, build_plan
@@ -22,6 +21,7 @@ from instruments.plans import (
     replicated,
     row_sharded_layout,
 )
+from tests.support.models import LLAMA_SHAPES
 
 
 def plan_for(matrices, world_size, bucket_bytes, element_size):

@@ -11,9 +11,6 @@ import weakref
 
 import pytest
 import torch
-from layout_runs import check, train
-from moe import given_loss
-from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -22,6 +19,9 @@ from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp.cache import AGREE_UNTIL_STEADY, PROGRAMS_KEPT
 from dmuon_fsdp.checks import GradientMismatchError
 from instruments.counters import CollectiveCalls
+from tests.support.layout_runs import against_reference, check
+from tests.support.moe import given_loss
+from tests.support.spawn import run_ranks
 
 SHAPES = {"a": (7, 5), "b": (6, 4), "c": (6, 4), "d": (5, 9), "e": (3, 8), "f": (9, 3)}
 
@@ -98,7 +98,7 @@ def test_one_process_keeps_programs_too():
 
 def exact(rank, world_size, schedule):
     model = Branches(init_device_mesh("cpu", (world_size,)))
-    return train(
+    return against_reference(
         model, list(model.named_parameters()), lambda step: model(step, schedule[step]), steps=len(schedule)
     )
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_muon_step, relative_error
-from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -17,11 +15,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp.qk_clip import AttentionWeights, QKClip
+from tests.support.spawn import run_ranks
+from tests.support.training import Reference, train
 
 HEADS, KV_HEADS, HEAD_DIM, DIM = 4, 2, 5, 8
 TAU, ALPHA, STEPS = 10.0, 0.5, 3
 OPTIONS = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
-REFERENCE = dict(lr=0.05, weight_decay=0.1)
 Q_ROWS, K_ROWS = (0, HEADS * HEAD_DIM), (HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM)
 
 
@@ -80,55 +79,49 @@ def reference_clip(params, logits):
                 wk[k0 + g * HEAD_DIM : k0 + (g + 1) * HEAD_DIM] *= gamma ** (1 - ALPHA)
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def train(rank, world_size, model, loss_fn, tensor_parallel=False):
-    params = dict(model.named_parameters())
-    ref = {n: _full(p).detach().double().clone() for n, p in params.items()}
-    bufs = {n: torch.zeros_like(p) for n, p in ref.items()}
-    opt = DMuonFSDP(list(params.items()), **OPTIONS)
+def run(rank, world_size, model, loss, tensor_parallel=False):
+    """``STEPS`` steps of DMuonFSDP, the clip after each, beside the float64 reference of both;
+    the clip's reduced logits are checked as it goes. Each parameter's relative error from the
+    reference, and per step but step 1 whether the fused layer's rows came out of the clip bitwise
+    as the step left them."""
+    opt = DMuonFSDP(list(model.named_parameters()), **OPTIONS)
     clip = QKClip(opt, layers(model), tau=TAU, alpha=ALPHA)
+    reference = Reference(model, opt)
     untouched = []
-    for step in range(STEPS):
-        loss_fn(step).backward()
-        grads = {n: _full(p.grad).double() for n, p in params.items()}
-        opt.step()
-        opt.zero_grad()
+
+    def after_step(step):
         before = _local(model.qkv.weight).detach().clone()
         reduced = clip.clip(rank_logits(step, rank, tensor_parallel))
         if step != 1:  # the fused layer stayed under tau: its rows are bitwise as the step left them
             untouched.append(torch.equal(before, _local(model.qkv.weight).detach()))
-        for n in ref:
-            reference_muon_step(ref[n], grads[n], bufs[n], **REFERENCE)
         every_rank = [rank_logits(step, r, tensor_parallel) for r in range(world_size)]
         expected = [torch.stack([logits[i] for logits in every_rank]).amax(0) for i in range(2)]
         assert torch.equal(reduced[0], expected[0]) and torch.equal(reduced[1], expected[1])
-        reference_clip(ref, expected)
-    errors = {n: relative_error(_full(p).detach(), ref[n]) for n, p in params.items()}
-    return errors, untouched
+        reference_clip(reference.params, expected)
+
+    train([(model, opt)], STEPS, loss=loss, reference=reference, after_step=after_step)
+    return reference.errors(), untouched
 
 
 def fsdp(rank, world_size):
     model = Attention()
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    return train(rank, world_size, model, model)
+    return run(rank, world_size, model, model)
 
 
 def hsdp(rank, world_size):
     model = Attention()
     fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
-    return train(rank, world_size, model, model)
+    return run(rank, world_size, model, model)
 
 
 def ddp(rank, world_size):
     model = Attention()
-    return train(rank, world_size, model, DistributedDataParallel(model))
+    return run(rank, world_size, model, DistributedDataParallel(model))
 
 
 def fsdp_tp(rank, world_size):
@@ -138,7 +131,7 @@ def fsdp_tp(rank, world_size):
         model, mesh["tp"], {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "qkv": ColwiseParallel()}
     )
     fully_shard(model, mesh=mesh["dp"])
-    return train(rank, world_size, model, model, tensor_parallel=True)
+    return run(rank, world_size, model, model, tensor_parallel=True)
 
 
 CASES = {"fsdp": (fsdp, [1, 2, 3, 4]), "hsdp": (hsdp, [4]), "ddp": (ddp, [2]), "fsdp_tp": (fsdp_tp, [4])}

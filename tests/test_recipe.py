@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn import run_ranks
 
 from recipes import data
 from recipes.pretrain import parse_args, train
+from tests.support.spawn import run_ranks
 
 
 def test_stdlib_corpus_splits_by_file_and_caches(tmp_path):

@@ -91,11 +91,14 @@ def kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def only_torchruns_report(out: str, status: int) -> None:
+def only_torchruns_report(out: str, status: int, error: str) -> None:
     """torchrun's failure report follows (with its own traceback, ChildFailedError), naming the
-    workers' status; no worker printed a traceback."""
-    assert f"exitcode  : {status}" in out and out.count("Traceback (most recent call last)") == 1, out
-    assert "ChildFailedError" in out.split("Traceback (most recent call last)")[1], out
+    workers' status and ending with the recipe's ``error`` line, which the workers recorded in
+    torchrun's error file; no worker printed a traceback of its own."""
+    before, report = out.split("Traceback (most recent call last)", 1)
+    assert f"exitcode  : {status}" in report and "ChildFailedError" in report, out
+    assert "Traceback" not in before, out
+    assert error.removeprefix("error: ") in report.rsplit("Root Cause", 1)[1], out
 
 
 def test_a_second_job_is_refused_while_orphans_train_and_takes_over_once_they_are_gone(tmp_path, cache):
@@ -214,7 +217,7 @@ def test_a_failed_save_is_one_line_on_every_rank_and_the_run_resumes(tmp_path, c
         f"error: checkpoint {run}/checkpoints/step_0000003 could not be saved: "
         "OSError: [Errno 27] File too large (rank 0)"
     ], out
-    only_torchruns_report(out, status=1)
+    only_torchruns_report(out, status=1, error=errors[0])
     assert steps_logged(run) == [1, 2, 3], out
     assert not (run / "checkpoints/step_0000003/.metadata").exists(), out
     resumed = launch(run, cache, "--resume", "auto", "--save-every", "0")
@@ -228,7 +231,7 @@ def test_a_failed_metrics_write_stops_every_rank_at_the_next_step(tmp_path, cach
     run = tmp_path / "run"
     out, errors = under_a_file_size_limit(run, cache, 4096, "--steps", "100", "--no-save-final")
     assert errors == [f"error: could not write {run}/metrics.jsonl: File too large"], out
-    only_torchruns_report(out, status=1)
+    only_torchruns_report(out, status=1, error=errors[0])
     assert 5 < len(steps_logged(run)) < 20
 
 

@@ -8,14 +8,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from models import gradients, make_groups, sharded_model
-from spawn import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dmuon_fsdp import DMuonFSDP, GradientMismatchError, NonFiniteGradientError
+from tests.support.models import gradients, make_groups, sharded_model
+from tests.support.spawn import run_ranks
 
 
 def _backward(model, step=0):

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from models import SHAPES, STEPS, VECTORS, ShapesModel, gradients, make_groups, reference_run
-from reference import reference_muon_step, relative_error
 from torch import nn
 
 from dmuon_fsdp import MUON_COEFFICIENTS, POLAR_EXPRESS, DMuonFSDP, param_groups
 from dmuon_fsdp.newton_schulz import gram_segments, resolve_coefficients, segments_flops, standard_segments
 from dmuon_fsdp.program import PHASES
+from tests.support.models import SHAPES, STEPS, VECTORS, ShapesModel, gradients, make_groups, reference_run
+from tests.support.reference import reference_muon_step, relative_error
 
 
 def test_plain_tensors_without_process_group_match_reference():

@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
-from spawn import cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from dmuon_fsdp import DMuonFSDP, param_groups
+from tests.support.spawn import cpu_mesh, run_ranks
 
 
 def _model() -> nn.Module:

@@ -5,13 +5,14 @@ models for planner tests."""
 from __future__ import annotations
 
 import torch
-from reference import reference_muon_step
-from spawn import cpu_mesh
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import POLAR_EXPRESS, DMuonFSDP
+from tests.support.reference import reference_muon_step
+from tests.support.spawn import cpu_mesh
+from tests.support.training import train
 
 # name -> shape. (5, 256) at W=4 leaves rows 2, 2, 1, 0; the three (64, 64) batch together.
 MUON_A = {"w5": (5, 256), "w1": (1, 128), "w37": (37, 64), "tall": (768, 256), "conv": (6, 3, 3, 3)}
@@ -55,6 +56,11 @@ def gradients(step):
     return {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in SHAPES.items()}
 
 
+def loss_of(model):
+    """The loss that gives ``model`` the gradients ``gradients(step)`` at each step."""
+    return lambda step: model({n: g.float() for n, g in gradients(step).items()})
+
+
 def make_groups(model, **options):
     h = model.holders
     return [
@@ -94,11 +100,7 @@ def sharded_run(rank, world_size, ns_algorithm):
     """STEPS steps of the sharded shapes model; every parameter and momentum buffer, in full."""
     model = sharded_model()
     opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, ns_algorithm=ns_algorithm)
-    for step in range(STEPS):
-        grads = {n: g.float() for n, g in gradients(step).items()}
-        model(grads).backward()
-        opt.step()
-        opt.zero_grad()
+    train([(model, opt)], STEPS, loss=loss_of(model))
     out = {}
     for name, holder in model.holders.items():
         p = holder.weight

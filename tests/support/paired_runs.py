@@ -1,17 +1,17 @@
-"""Paired runs for overlap_backward tests: two copies of one model trained side by side, one
-with the plain step and one with ``overlap_backward=True``, and what to compare them by."""
+"""Paired runs for overlap_backward tests: two copies of one model, one with the plain step and one
+with ``overlap_backward=True``, to ``train`` side by side, and what to compare them by."""
 
 from __future__ import annotations
 
 import itertools
 
 import torch
-from spawn import cpu_mesh
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import DMuonFSDP
+from tests.support.spawn import cpu_mesh
+from tests.support.training import full
 
 STEPS = 4
 BUCKET = 2**10  # bytes: four buckets or more at W = 1..4, so that slots are reused
@@ -49,10 +49,6 @@ def sharded(mesh=None, dims=DIMS):
     return model
 
 
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def snapshot(model, opt):
     out = {n: full(p).detach().clone() for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
@@ -70,17 +66,6 @@ def pair(make, **options):
         opt = DMuonFSDP(model.parameters(), lr=0.02, bucket_bytes=BUCKET, overlap_backward=overlap, **options)
         out.append((model, opt))
     return out
-
-
-def train(runs, step_fn, steps=STEPS):
-    """``step_fn(model, opt, step) -> loss`` for both runs; per step, the losses and the overlap
-    run's stats."""
-    history = []
-    for step in range(steps):
-        losses = [step_fn(model, opt, step) for model, opt in runs]
-        stats = runs[1][1].last_step_stats
-        history.append((losses, stats.started_in_backward, stats.redone))
-    return history
 
 
 def plain_step(model, opt, step):

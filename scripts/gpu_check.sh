@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks, one command on a CUDA machine (uses its python3 and torch, no install):
-# correctness against the float64 reference on NCCL, Newton-Schulz throughput, the optimizer
-# benchmark on the 124M preset, standard against Gram Newton-Schulz (per shape in bf16, and the
-# 124M step with ns_algorithm="auto"), a short pretraining run (AdamW, DMuonFSDP, DMuonFSDP with
-# --overlap-backward), and the layout tests under this torch.
+# correctness against the float64 reference on NCCL (tests/test_cuda.py, one rank per GPU),
+# Newton-Schulz throughput, the optimizer benchmark on the 124M preset, standard against Gram
+# Newton-Schulz (per shape in bf16, and the 124M step with ns_algorithm="auto"), a short
+# pretraining run (AdamW, DMuonFSDP, DMuonFSDP with --overlap-backward), and the layout tests
+# under this torch.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ GPUS=$(nvidia-smi -L | wc -l)
 step() { echo; echo "== $*"; local t=$1; shift; timeout "$t" "$@" 2>&1 | grep -v -e "Warning" -e "^W1" -e "^\*\*\*"; }
 nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-step 150 torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.check_cuda
+step 150 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py
 step 90 python3 -m benchmarks.bench_optimizer --ns-throughput --out "$OUT/bench.json"
 step 90 python3 -m benchmarks.bench_optimizer --ns-throughput --preset 124m --out "$OUT/bench_124m_ns.json"
 step 150 python3 -m benchmarks.bench_optimizer --world-size "$GPUS" --preset 124m --out "$OUT/bench_124m.json"

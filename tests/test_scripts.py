@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from reference import relative_error
 
 from dmuon_fsdp.newton_schulz import newton_schulz, ns_segments, resolve_coefficients, segments_flops
+from tests.support.reference import relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,9 +60,9 @@ def test_bench_optimizer_reports_every_contender_and_plan_bytes(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_simulate_scale_predicts_dmuon_below_gather_all(tmp_path):
+def test_paper_step_predicts_dmuon_below_gather_all(tmp_path):
     out = tmp_path / "sim.json"
-    _run("simulate_scale", "--models", "llama-1b", "--world-sizes", "8", "64", "--out", out)
+    _run("paper", "--models", "llama-1b", "--world-sizes", "8", "64", "--out", out)
     rows = json.loads(out.read_text())["results"]["llama-1b"]
     for row in rows:
         assert row["busiest_over_l2_bound"] >= 1 - 1e-9
@@ -72,10 +72,10 @@ def test_simulate_scale_predicts_dmuon_below_gather_all(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_hsdp_deduplication_moves_less_than_repeating_ns_per_replica(tmp_path):
+def test_paper_hsdp_deduplication_moves_less_than_repeating_ns_per_replica(tmp_path):
     out = tmp_path / "hsdp.json"
     _run(
-        "simulate_scale",
+        "paper",
         "--report",
         "hsdp",
         "--models",
@@ -101,10 +101,10 @@ def test_hsdp_deduplication_moves_less_than_repeating_ns_per_replica(tmp_path):
         )
 
 
-def test_simulate_scale_balance_is_near_the_lower_bound(tmp_path):
+def test_paper_balance_is_near_the_lower_bound(tmp_path):
     out = tmp_path / "balance.json"
     _run(
-        "simulate_scale",
+        "paper",
         "--report",
         "balance",
         "--models",
@@ -237,11 +237,9 @@ def test_the_demo_sets_up_only_what_it_runs():
     assert imported - demo - {"dmuon-fsdp"} == set(), "the demo imports what its set-up does not install"
 
 
-def test_simulate_e2e_spreads_buckets_and_the_overlap_never_costs_more(tmp_path):
+def test_paper_e2e_spreads_buckets_and_the_overlap_never_costs_more(tmp_path):
     out = tmp_path / "e2e.json"
-    _run(
-        "simulate_scale", "--report", "e2e", "--models", "llama3-8b", "--world-sizes", "8", "64", "--out", out
-    )
+    _run("paper", "--report", "e2e", "--models", "llama3-8b", "--world-sizes", "8", "64", "--out", out)
     for row in json.loads(out.read_text())["results"]["llama3-8b"]:
         plain, overlap = row["plain_pipelined"], row["overlap"]
         assert overlap["step_ms"] <= plain["step_ms"] + 1e-9
@@ -262,3 +260,15 @@ def test_emulate_scale_reports_the_step_against_the_floor_and_one_bucket(tmp_pat
     assert default["floor_s"] > 0 and default["step_s"] >= default["floor_s"] * 0.99
     assert one["buckets"] == 1 and default["buckets"] >= 1
     assert default["buffer_bytes"] > 0 and default["deeper_buffer_bytes"] > 0
+
+
+def test_paper_moe_plans_every_expert_matrix_on_its_own(tmp_path):
+    out = tmp_path / "moe.json"
+    report = ("--report", "moe", "--moe-models", "mixtral-8x7b", "--moe-layers", "2")
+    _run("paper", *report, "--world-sizes", "16", "64", "--out", out)
+    result = json.loads(out.read_text())["results"]["mixtral-8x7b"]
+    assert [(r["world"], r["ep"], r["efsdp"]) for r in result["rows"]] == [(16, 8, 2), (64, 8, 8)]
+    for r in result["rows"]:
+        # per layer: q, k, v, o, the router and 8 experts' three matrices
+        assert r["matrices"] == 2 * (5 + 3 * 8) and r["expert_matrices"] == 2 * 3 * 8
+        assert r["busiest_over_l2_bound"] >= 1 - 1e-9 and r["max_mib"] >= r["mean_mib"] > 0

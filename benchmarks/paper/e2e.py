@@ -1,4 +1,4 @@
-"""DMuonFSDP at scale, on paper: ``python -m benchmarks.simulate_scale --report e2e``.
+"""A whole training step with backward, on paper: ``--report e2e``.
 
 ``--report e2e``: a whole training step, forward + backward + optimizer, for AdamW, DMuonFSDP and
 DMuonFSDP(overlap_backward=True), per model and world size (default 8 64 256 1024). Per rank:
@@ -6,8 +6,8 @@ DMuonFSDP(overlap_backward=True), per model and world size (default 8 64 256 102
   proportion to its parameters, last layer first; forward = half of that. Embeddings, head and
   attention-score flops are ignored (a shorter step: the optimizer's share is overstated, and
   there is less backward to hide it behind); every parameter counts as active (MoE: overstated).
-- AdamW = forward + backward + element-wise (as in ``step``, after backward).
-- DMuonFSDP, no overlap credit = AdamW + NS + exchange, as in ``step`` (exchange = the busiest
+- AdamW = forward + backward + element-wise (``benchmarks.paper.costs``, after backward).
+- DMuonFSDP, no overlap credit = AdamW + NS + exchange, as in ``--report step`` (exchange = the busiest
   sender's bytes of the whole step, as if every rank's link were busy the whole time).
 - Bucket pipeline (``step_timeline``): the planner's buckets (each about --bucket-mib per owner,
   spread over every owner), one link, one all-to-all at a time in launch order (one process
@@ -34,24 +34,26 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from benchmarks.scale_model import (
-    LLAMA_CONFIGS,
-    MODELS,
+from benchmarks.paper.costs import (
     WIRE_BYTES,
+    dmuon_step,
     elementwise_seconds,
+    link_rate,
+    ns_rate,
     plan_for,
     print_header,
+    print_row,
     resolve_gpu,
 )
+from benchmarks.paper.shapes import LLAMA_CONFIGS, MODELS
 from dmuon_fsdp.planner import Plan
-from instruments.plans import rank_loads
 
 
 def bucket_costs(plan: Plan, args: argparse.Namespace) -> tuple[list[float], list[dict[int, float]]]:
     """Per bucket of ``plan``: the seconds of one of its all-to-alls (the busiest rank's larger of
     sent and received bytes; the return exchange mirrors the forward one, so both take as long)
     and {owner: seconds of its NS of the bucket's matrices}."""
-    rate = args.tflops * 1e12 * args.ns_efficiency
+    rate, link = ns_rate(args), link_rate(args)
     exchange, ns = [], []
     for bucket in plan.buckets:
         sent: dict[int, int] = defaultdict(int)
@@ -64,7 +66,7 @@ def bucket_costs(plan: Plan, args: argparse.Namespace) -> tuple[list[float], lis
                 sent[rank] += pieces[rank].numel
                 received[owner] += pieces[rank].numel
         busiest = max([*sent.values(), *received.values(), 0])
-        exchange.append(busiest * WIRE_BYTES / (args.link_gbs * 1e9))
+        exchange.append(busiest * WIRE_BYTES / link)
         ns.append(dict(owned))
     return exchange, ns
 
@@ -145,9 +147,8 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
     elementwise = elementwise_seconds(params, world, args)
     algorithm = args.ns_algorithms[0]
     plan = plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps)
-    sent = max(plan.elements_moved(r) for r in range(world)) * WIRE_BYTES
-    busiest_ns = max(rank_loads(plan)) / (args.tflops * 1e12 * args.ns_efficiency)
-    optimizer = elementwise + busiest_ns + sent / (args.link_gbs * 1e9)
+    optimizer, loads, _ = dmuon_step(plan, world, elementwise, args)
+    busiest_ns = max(loads) / ns_rate(args)
     exchange, ns = bucket_costs(plan, args)
     adamw = forward + backward + elementwise
     row = {
@@ -160,7 +161,7 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
         "elementwise_ms": elementwise * 1e3,
         "forward_ms": forward * 1e3,
         "backward_ms": backward * 1e3,
-        "fsdp_link_load": (world - 1) / world * params * 2 * WIRE_BYTES / (args.link_gbs * 1e9) / backward,
+        "fsdp_link_load": (world - 1) / world * params * 2 * WIRE_BYTES / link_rate(args) / backward,
         "adamw_ms": adamw * 1e3,
         "dmuon_ms": (forward + backward + optimizer) * 1e3,
         "dmuon_over_adamw": (optimizer - elementwise) / adamw,
@@ -239,5 +240,5 @@ def e2e_report(args: argparse.Namespace) -> dict:
                 f"{r['busiest_ns_ms']:.1f}",
                 f"{r['first_bucket_exchange_ms']:.1f}",
             ]
-            print("| " + " | ".join(map(str, cells)) + " |")
+            print_row(cells)
     return results

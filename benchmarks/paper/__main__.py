@@ -1,0 +1,103 @@
+"""The one command of the paper model: ``python -m benchmarks.paper --report ...`` (see
+``benchmarks.paper`` for the reports and their modules)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import benchmarks.paper
+from benchmarks.paper.costs import GPUS
+from benchmarks.paper.e2e import e2e_report
+from benchmarks.paper.moe import moe_report
+from benchmarks.paper.shapes import MODELS, MOE_MODELS
+from benchmarks.paper.step import balance_report, hsdp_report, step_report
+from dmuon_fsdp.newton_schulz import NS_ALGORITHMS
+
+REPORTS = {
+    "step": step_report,
+    "balance": balance_report,
+    "hsdp": hsdp_report,
+    "e2e": e2e_report,
+    "moe": moe_report,
+}
+
+DEFAULT_WORLD_SIZES = {"e2e": [8, 64, 256, 1024], "moe": [64, 256, 1024]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.paper",
+        description=benchmarks.paper.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--report", default="step", choices=list(REPORTS))
+    parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
+    parser.add_argument(
+        "--tflops", type=float, default=None, help="peak dense bf16 TFLOP/s (default: the GPU's)"
+    )
+    parser.add_argument(
+        "--hbm-gbs", type=float, default=None, help="memory bandwidth GB/s (default: the GPU's)"
+    )
+    parser.add_argument("--link-gbs", type=float, default=50.0, help="network GB/s per GPU, each direction")
+    parser.add_argument("--ns-efficiency", type=float, default=0.5, help="achieved fraction of peak in NS")
+    parser.add_argument("--ns-steps", type=int, default=5)
+    parser.add_argument(
+        "--ns-algorithms",
+        nargs="+",
+        default=["standard", "auto"],
+        choices=NS_ALGORITHMS,
+        help="DMuonFSDP's ns_algorithm, one predicted step per entry (e2e, moe: the first)",
+    )
+    parser.add_argument("--bucket-mib", type=int, default=128)
+    parser.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="default: 8 16 ... 1024 (e2e: 8 64 256 1024; moe: 64 256 1024)",
+    )
+    parser.add_argument(
+        "--tokens-per-rank", type=int, default=8192, help="e2e: tokens per rank per step (one backward)"
+    )
+    parser.add_argument(
+        "--mfu", type=float, default=0.4, help="e2e: achieved fraction of peak in forward and backward"
+    )
+    parser.add_argument("--meshes", nargs="+", default=["2x4", "4x8", "8x8"], help="hsdp: replicas x shards")
+    parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS), help="default: per report")
+    parser.add_argument(
+        "--moe-models", nargs="+", default=list(MOE_MODELS), choices=list(MOE_MODELS), help="moe: models"
+    )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=8,
+        help="moe: expert-parallel degree (capped at a model's experts per layer)",
+    )
+    parser.add_argument(
+        "--moe-layers",
+        type=int,
+        default=None,
+        help="moe: MoE layers (default: all; DeepSeek-V3 58, Mixtral 32)",
+    )
+    parser.add_argument("--out", default=None, help="JSON (default: runs/bench/paper_<report>.json)")
+    args = parser.parse_args(argv)
+    args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES.get(
+        args.report, [8, 16, 32, 64, 128, 256, 512, 1024]
+    )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out or f"runs/bench/paper_{args.report}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args.out = str(out)
+    results = REPORTS[args.report](args)
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    print(f"\nJSON: {out}" + (f"\nplot: {out.with_suffix('.png')}" if args.report == "step" else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -71,7 +71,7 @@ class Progress:
     @classmethod
     def of(cls, program: StepProgram, timed: bool) -> Progress:
         missing = [len(bucket.needs) for bucket in program.buckets]
-        run = StepRun(program, StepStats(program.found.device, timed=timed))
+        run = StepRun(program, StepStats(program.device, timed=timed))
         return cls(run, missing, [None] * len(program.entries))
 
     @property
@@ -147,7 +147,7 @@ class BackwardStart:
         if program is not self._program:
             self.disarm()
             self._program = program
-            self._side = _SideStream(program.found.device)
+            self._side = _SideStream(program.device)
             seen: set[int] = set()
             for k, bucket in enumerate(program.buckets[: program.carrier]):  # the buckets hooks start
                 self._first_reads.append([i for i in bucket.reads if i not in seen])

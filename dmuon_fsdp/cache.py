@@ -35,6 +35,7 @@ from dmuon_fsdp.checks import (
     agree_on_plan,
     agreed,
     key_agreement,
+    nonfinite_groups,
     raise_alike,
     stale_layouts,
 )
@@ -385,8 +386,8 @@ def bind(
         state_slots=tuple((e.param, k, value) for e in binder.entries for k, value in state[e.param].items()),
         grad_shapes=[t.shape for t in binder.locals],
         grad_dtypes=[t.dtype for t in binder.locals],
-        found=torch.zeros(1, device=settings.device),
-        one=torch.ones((), device=settings.device),
+        device=settings.device,
+        checked=nonfinite_groups(binder.locals),
         muon=binder.muon_lists(state),
         adamw=binder.adamw(state),
         buckets=buckets,

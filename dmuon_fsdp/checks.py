@@ -173,20 +173,35 @@ def decide(summary: Sequence[float], key_digest: int, nonfinite: str, check_grad
         return Verdict.REBUILD
     if summary[REDO_SLOT] > 0:  # the step's work began on gradients some rank has since seen change
         return Verdict.REDO
-    if summary[NONFINITE_SLOT] > 0:  # some rank has a non-finite gradient
+    if summary[NONFINITE_SLOT] != 0:  # some rank has a non-finite gradient (NaN: see nonfinite_indicator)
         return {"raise": Verdict.RAISE, "skip": Verdict.SKIP}.get(nonfinite, Verdict.GO)
     return Verdict.GO
 
 
-def nonfinite_indicator(grads: list[Tensor], found: Tensor, one: Tensor) -> Tensor:
-    """``found`` (a 1-element float32 tensor) <- 1 when some gradient holds inf or NaN, else 0;
-    device ops only. The check is torch's own for AMP (``GradScaler``'s kernel, one pass over
-    the gradients) with a scale of ``one`` (1.0): it multiplies each gradient by 1.0 in place,
-    which changes no value, so gradients must be writable (as after backward)."""
-    found.zero_()
-    if grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-    return found
+def nonfinite_indicator(groups: list[list[Tensor]], device: torch.device) -> Tensor:
+    """A (1,) float32 tensor on ``device``: NaN when some gradient holds inf or NaN, else 0;
+    device ops only, and the gradients are only read (expanded or otherwise unwritable ones
+    too). ``groups``: the gradients with elements, by dtype (``nonfinite_groups``). Each gradient's
+    largest magnitude (a foreach norm of order inf: a large finite fp16 value stays finite) times
+    0 is 0 when finite and NaN otherwise; their sum is the indicator, and the verdict counts
+    anything but 0 as found (``decide``; maxima over ranks keep NaN)."""
+    parts = [
+        torch.stack(torch._foreach_norm(grads, ord=math.inf)).mul_(0.0).sum(0, keepdim=True)
+        for grads in groups
+    ]
+    if len(parts) == 1 and parts[0].dtype == torch.float32:  # the common case: one more op saved
+        return parts[0]
+    return sum((part.float() for part in parts), torch.zeros(1, device=device))
+
+
+def nonfinite_groups(grads: Sequence[Tensor]) -> tuple[tuple[int, ...], ...]:
+    """Indices of the gradients ``nonfinite_indicator`` reads, by dtype: those with elements (an
+    empty shard has no largest magnitude)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        if g.numel():
+            by_dtype.setdefault(g.dtype, []).append(i)
+    return tuple(tuple(indices) for indices in by_dtype.values())
 
 
 @dataclass

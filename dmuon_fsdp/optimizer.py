@@ -36,10 +36,10 @@ class DMuonFSDP(Optimizer):
     tensors in one process; AdamW for the parameters routed to it. Each matrix is
     orthogonalized once in the job, by an owner rank (``plan`` shows which).
 
-    The arguments follow ``torch.optim.Muon``'s, plus DMuonFSDP's own (below; the README's
-    argument table says the same, with more on each). Within a group, parameters with ndim >= 2
-    use Muon and the others AdamW unless the group sets ``use_muon``; a group that mixes both is
-    split in two.
+    The arguments follow ``torch.optim.Muon``'s, positionally in its order; DMuonFSDP's own
+    are keyword-only (below; the README's argument table says the same, with more on each).
+    Within a group, parameters with ndim >= 2 use Muon and the others AdamW unless the group sets
+    ``use_muon``; a group that mixes both is split in two.
     ``dmuon_fsdp.param_groups(model)`` also sends embeddings and the output head to AdamW.
 
     The optimizer-wide options are attributes: ``overlap``, ``time_phases``, ``nonfinite`` and
@@ -54,26 +54,27 @@ class DMuonFSDP(Optimizer):
         params (iterable): parameters, named parameters, or dicts defining param groups (as
             ``param_groups(model)`` returns).
         lr (float, optional): Muon's learning rate, before ``adjust_lr_fn`` (default: 0.02)
+        weight_decay (float, optional): decoupled, ``p *= 1 - lr * weight_decay`` with the
+            unadjusted lr (default: 0.0)
         momentum (float, optional): ``buf.lerp_(grad, 1 - momentum)`` (default: 0.95)
         nesterov (bool, optional): orthogonalize ``grad.lerp(buf, momentum)`` instead of ``buf``
             (default: True)
-        weight_decay (float, optional): decoupled, ``p *= 1 - lr * weight_decay`` with the
-            unadjusted lr (default: 0.0)
-        ns_steps (int, optional): Newton-Schulz iterations (default: 5)
         ns_coefficients (tuple or str, optional): one (a, b, c) triple, a list of per-iteration
             triples (later iterations reuse the last), ``"muon"`` or ``"polar_express"``
             (default: (3.4445, -4.775, 2.0315))
+        eps (float, optional): NS normalisation, divide by max(Frobenius norm, eps) (default: 1e-07)
+        ns_steps (int, optional): Newton-Schulz iterations (default: 5)
+        adjust_lr_fn (str, optional): None or ``"original"``, lr * sqrt(max(1, rows / cols));
+            ``"match_rms_adamw"``, lr * 0.2 * sqrt(max(rows, cols)); the global shape's (default: None)
         ns_algorithm (str, optional): ``"standard"``; ``"gram"``, the same polynomials iterated
             on the s x s matrix X X^T with restarts; ``"auto"``, per shape the form with fewer
             flops (default: "standard")
-        eps (float, optional): NS normalisation, divide by max(Frobenius norm, eps) (default: 1e-07)
-        adjust_lr_fn (str, optional): None or ``"original"``, lr * sqrt(max(1, rows / cols));
-            ``"match_rms_adamw"``, lr * 0.2 * sqrt(max(rows, cols)); the global shape's (default: None)
         ns_dtype (torch.dtype, optional): NS matmul dtype; None is bf16 on CUDA, fp32 elsewhere
             (default: None)
         comm_dtype (torch.dtype, optional): all-to-all dtype (fp16, bf16, fp32 or fp64); None is
             ``ns_dtype`` (default: None)
-        adamw_lr (float, optional): learning rate of the parameters routed to AdamW (default: 0.0003)
+        adamw_lr (float, optional): learning rate of the parameters routed to AdamW, as
+            ``torch.optim.AdamW``'s; small models often want more (default: 0.001)
         adamw_betas (tuple, optional): their betas (default: (0.9, 0.95))
         adamw_eps (float, optional): their eps (default: 1e-08)
         adamw_weight_decay (float, optional): their decoupled weight decay (default: 0.0)
@@ -118,17 +119,18 @@ class DMuonFSDP(Optimizer):
         self,
         params: Iterable[Any],
         lr: float = 0.02,
+        weight_decay: float = 0.0,
         momentum: float = 0.95,
         nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int = 5,
         ns_coefficients: Any = MUON_COEFFICIENTS,
-        ns_algorithm: str = "standard",
         eps: float = 1e-7,
+        ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
+        *,
+        ns_algorithm: str = "standard",
         ns_dtype: torch.dtype | None = None,
         comm_dtype: torch.dtype | None = None,
-        adamw_lr: float = 3e-4,
+        adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,

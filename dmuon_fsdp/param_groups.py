@@ -110,7 +110,7 @@ def param_groups(
     transformers ``Trainer``) gets the same routing with ``DMuonFSDP(groups, route=model)``
     (``stacked`` has no counterpart there: set ``flatten=False`` on the groups holding experts).
 
-    Example: ``DMuonFSDP(param_groups(model, lr=0.02), adamw_lr=3e-4)``.
+    Example: ``DMuonFSDP(param_groups(model, lr=0.02), adamw_lr=3e-3)``.
     """
     stacked = (stacked,) if isinstance(stacked, str) else tuple(stacked)
     muon: list[tuple[str, Tensor]] = []

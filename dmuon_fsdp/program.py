@@ -61,7 +61,7 @@ from dmuon_fsdp.exchange import SLOTS
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
 from dmuon_fsdp.normuon import NeuronNorm
 from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.state import AdamWKernel, adamw, input_weight, local_shard, muon_input
+from dmuon_fsdp.state import AdamWKernel, adamw, local_shard, muon_input
 
 if TYPE_CHECKING:
     from dmuon_fsdp.options import Options
@@ -187,9 +187,9 @@ class Stage:
         the verdict)."""
         for inputs in self.inputs:
             group = groups[inputs.group]
-            weight = input_weight(group["momentum"], group["nesterov"])
             mine = [grads[i] for i in inputs.grads]
-            muon_input(inputs.destinations, inputs.buffers, mine, weight, inputs.in_place)
+            momentum, nesterov = float(group["momentum"]), bool(group["nesterov"])
+            muon_input(inputs.destinations, inputs.buffers, mine, momentum, nesterov, inputs.in_place)
         self.spread.run()
 
 
@@ -228,8 +228,8 @@ class StepProgram:
     state_slots: tuple[tuple[Tensor, str, Tensor], ...]  # (parameter, state key, the tensor bound)
     grad_shapes: list[torch.Size]
     grad_dtypes: list[torch.dtype]  # a gradient must have its parameter's dtype
-    found: Tensor  # (1,) float32: the non-finite check's result on the device
-    one: Tensor  # 1.0, the check's scale
+    device: torch.device
+    checked: tuple[tuple[int, ...], ...]  # the gradients the non-finite check reads (``nonfinite_groups``)
     muon: tuple[MuonLists, ...]
     adamw: tuple[AdamWLists, ...]
     buckets: tuple[BucketProgram, ...]
@@ -274,7 +274,7 @@ class StepProgram:
         non-finite indicator when that check is on."""
         indicator = None
         if nonfinite != "ignore" and local is not None:
-            indicator = nonfinite_indicator(local, self.found, self.one)
+            indicator = nonfinite_indicator([[local[i] for i in g] for g in self.checked], self.device)
         if self.flags is not None:
             exchange = self.buckets[self.carrier].to_owners
             assert exchange is not None  # the flags are bound into the carrier's exchange to owners

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any, TypedDict
 
 import torch
@@ -73,23 +74,41 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     return lr * 0.2 * math.sqrt(max(rows, cols))
 
 
-def input_weight(momentum: float, nesterov: bool) -> float:
-    """With b' = lerp(b, g, 1 - momentum) the new momentum buffer, Muon orthogonalizes b', or
-    with Nesterov g.lerp(b', momentum) (as ``torch.optim.Muon``); both equal lerp(g, b, w) of the
-    old buffer b, with w = momentum or momentum**2. So the input needs no new buffer first."""
-    return momentum * momentum if nesterov else momentum
+@lru_cache(maxsize=64)  # read at every step, made once per momentum and dtype
+def _complement(momentum: float, dtype: torch.dtype) -> float:
+    """1 - momentum as torch's lerp computes it for a weight of ``momentum`` on ``dtype`` tensors:
+    in the op's math type (float64 for float64 tensors, else float32). For momentum in [0.5, 1]
+    the difference is exact there (Sterbenz), so the double returned is that very number."""
+    math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return float(1 - torch.tensor(momentum, dtype=math_dtype))
 
 
 def muon_input(
-    dst: list[Tensor], buffers: list[Tensor], grads: list[Tensor], weight: float, in_place: bool
+    dst: list[Tensor],
+    buffers: list[Tensor],
+    grads: list[Tensor],
+    momentum: float,
+    nesterov: bool,
+    in_place: bool,
 ) -> None:
-    """``dst`` <- lerp(grads, buffers, weight), computed in the buffers' dtype; ``in_place`` when
-    ``dst`` has that dtype (otherwise into temporaries, then copied)."""
+    """``dst`` <- what ``torch.optim.Muon`` orthogonalizes, bitwise: the new momentum buffer
+    ``b' = b.lerp(g, 1 - momentum)`` (computed here, not committed: ``buffers`` are only read), or
+    with Nesterov ``g.lerp(b', momentum)``, in the buffers' dtype (``in_place``: ``dst`` has it;
+    else through temporaries). torch's lerp computes ``g.lerp(b', m)`` for m >= 0.5 as
+    ``b' - (b' - g) * (1 - m)``, which is ``b'.lerp_(g, 1 - m)`` to the bit when the weight is the
+    same ``1 - m`` (below 0.5, where lerp takes its other form): so b' stays in place."""
+    new = dst if in_place else torch._foreach_lerp(buffers, grads, 1.0 - momentum)
     if in_place:
-        torch._foreach_copy_(dst, grads)
-        torch._foreach_lerp_(dst, buffers, weight)
-    else:
-        torch._foreach_copy_(dst, torch._foreach_lerp(grads, buffers, weight))
+        torch._foreach_copy_(dst, buffers)
+        torch._foreach_lerp_(dst, grads, 1.0 - momentum)
+    if nesterov:
+        math_dtypes = {torch.float64 if t.dtype == torch.float64 else torch.float32 for t in new}
+        if momentum >= 0.5 and len(math_dtypes) == 1:
+            torch._foreach_lerp_(new, grads, _complement(momentum, new[0].dtype))
+        else:  # torch's other form, or lists whose math types differ: as torch writes it
+            new = torch._foreach_lerp(grads, new, momentum)
+    if new is not dst:
+        torch._foreach_copy_(dst, new)
 
 
 class AdamWKernel(TypedDict):
@@ -114,8 +133,12 @@ def adamw(
     group: dict[str, Any],
     kernel: AdamWKernel,
 ) -> None:
-    """One ``torch.optim.AdamW`` step of ``group``'s settings on these local tensors."""
+    """One ``torch.optim.AdamW`` step of ``group``'s settings on these local tensors. The fused
+    kernel gets contiguous gradients: on CPU (torch 2.13.0) it reads a strided gradient as if it
+    were contiguous, so ``torch.optim.AdamW(fused=True)`` itself steps wrongly with one."""
     beta1, beta2 = group["betas"]
+    if kernel["fused"] and not all(g.is_contiguous() for g in grads):
+        grads = [g.contiguous() for g in grads]
     torch_adamw(
         params,
         grads,

@@ -73,3 +73,44 @@ def test_same_seed_is_bitwise_identical_and_world_sizes_agree():
         other = run_ranks(sharded_run, world_size, "auto")[0]
         for name, value in first.items():
             assert relative_error(other[name], value) <= 1e-6, (world_size, name)
+
+
+def _odd_layout(kind: int, shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    """A gradient of ``shape`` laid out as autograd or a user may leave it: 0 contiguous, 1 expanded
+    from a row, 2 from a column, 3 from one number, 4 transposed, 5 every other column."""
+    r, c = shape
+    return [
+        lambda: torch.randn(r, c, generator=gen),
+        lambda: torch.randn(c, generator=gen).expand(r, c),
+        lambda: torch.randn(r, 1, generator=gen).expand(r, c),
+        lambda: torch.randn((), generator=gen).expand(r, c),
+        lambda: torch.randn(c, r, generator=gen).T,
+        lambda: torch.randn(r, 2 * c, generator=gen)[:, ::2],
+    ][kind]()
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    cases=st.lists(st.tuples(shape, st.integers(0, 5)), min_size=1, max_size=4),
+    nonfinite=st.sampled_from(["raise", "skip", "ignore"]),
+    seed=st.integers(0, 2**16),
+)
+def test_gradients_of_any_layout_step_as_contiguous_ones_and_are_only_read(cases, nonfinite, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [s for s, _ in cases]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    steps = [[_odd_layout(kind, s, gen) for s, kind in cases] for _ in range(2)]
+    results = []
+    for contiguous in (False, True):
+        params = [nn.Parameter(x.clone()) for x in start]
+        groups = [{"params": params[:1], "use_muon": False}, {"params": params[1:]}]  # AdamW and Muon
+        opt = DMuonFSDP([g for g in groups if g["params"]], nonfinite=nonfinite)
+        for grads in steps:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.contiguous() if contiguous else g
+            versions = [g._version for g in grads]
+            opt.step()
+            assert [g._version for g in grads] == versions, "the step wrote into a gradient"
+        results.append(params)
+    for a, b, s in zip(*results, shapes, strict=True):
+        assert torch.equal(a, b), s

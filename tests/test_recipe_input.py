@@ -223,6 +223,7 @@ def test_bad_input_is_one_line_and_changes_nothing(workspace, name, monkeypatch,
 
 
 def test_under_torchrun_every_rank_exits_2_and_the_error_is_printed_once(workspace):
+    # Launched by path, as nanoGPT's users type it (the other torchrun tests launch the module).
     command = [
         sys.executable,
         "-m",
@@ -230,8 +231,7 @@ def test_under_torchrun_every_rank_exits_2_and_the_error_is_printed_once(workspa
         "--standalone",
         "--nproc-per-node",
         "2",
-        "-m",
-        "recipes.pretrain",
+        "recipes/pretrain.py",
         *TINY,
         "--batch-size",
         "3",
@@ -248,6 +248,20 @@ def test_under_torchrun_every_rank_exits_2_and_the_error_is_printed_once(workspa
     message = "error: --batch-size 3 must be divisible by ranks x --grad-accum (2 x 1 = 2)"
     assert output.count(message) == 1 and output.count("error: ") == 1, output
     assert "exitcode  : 2" in output and not (workspace / "torchrun").exists(), output
+    report = output.rsplit("Root Cause", 1)[1]
+    assert message.removeprefix("error: ") in report, "torchrun's report ends with it"
+
+
+@pytest.mark.parametrize("script", ["pretrain", "sample", "report"])
+def test_the_recipes_scripts_run_by_path_from_anywhere(script, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / f"{script}.py"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr
 
 
 def test_a_corrupt_checkpoint_is_named_and_the_run_dir_left_as_it_was(workspace, capsys):

@@ -24,8 +24,8 @@ fake backend, its per-peer cost of an all-to-all launch).
     python -m benchmarks.bench_host                 # every case, ~1 minute on 2 cores
     python -m benchmarks.bench_host --cases w1 w2   # a subset
 
-The instruments are the test suite's (``tests/instruments.py``), so that the tests' bounds and
-these figures are counted alike.
+The instruments are the ones the tests use (``instruments/counters.py``), so that the tests'
+bounds and these figures are counted alike.
 """
 
 from __future__ import annotations

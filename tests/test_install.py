@@ -49,7 +49,7 @@ def test_a_dcp_checkpoint_saves_and_loads_in_the_environment_the_readme_installs
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
     # The README: torch first (here the build this suite runs on), then the package.
     subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
     subprocess.run([*pip, str(ROOT)], check=True)

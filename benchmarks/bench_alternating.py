@@ -88,7 +88,7 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
             if step >= args.warmup:
                 times[name].append(elapsed)
                 calls[name].append(dict(counted.calls))
-    comm.all_sum(torch.zeros(1), None)  # the last collective settles before the group goes
+    comm.all_max(torch.zeros(1), None)  # the last collective settles before the group goes
     dist.destroy_process_group()
     if rank == 0:
         result = {

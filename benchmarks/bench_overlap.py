@@ -135,7 +135,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         for latency in args.latency_ms:
             link.latency_s = latency / 1000
             for name, (model, opt) in runs.items():
-                comm.all_sum(torch.zeros(1), None)  # ranks start each contender's step together
+                comm.all_max(torch.zeros(1), None)  # ranks start each contender's step together
                 result = timed_step(model, opt, tokens, CLIPS.get(name))
                 if step >= args.warmup:
                     samples.setdefault((latency, name), []).append(result)
@@ -143,7 +143,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     buckets = len(runs["dmuon-overlap"][1].plan.buckets)
     if rank == 0:
         report(args, samples, buckets)
-    comm.all_sum(torch.zeros(1), None)
+    comm.all_max(torch.zeros(1), None)
     dist.destroy_process_group()
 
 

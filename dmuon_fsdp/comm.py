@@ -212,13 +212,6 @@ def all_max(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return start_max(values, group).wait()
 
 
-def all_sum(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """Element-wise sum of ``values`` over the group (None: the default group), in place and
-    returned, settled like every collective here (for callers such as the recipe, whose last
-    collective before exit must not leave a release to interpreter finalization)."""
-    return _start(dist.all_reduce, (values,), op=dist.ReduceOp.SUM, group=group).wait()
-
-
 def all_rows(row: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Every rank's ``row`` (1-D), stacked in group rank order: one ``all_reduce`` of a table that
     each rank fills in its own row. For rare paths such as error messages."""

@@ -77,7 +77,7 @@ from dmuon_fsdp.program import (
     StepProgram,
     Updates,
 )
-from dmuon_fsdp.state import adamw_kernel, adjusted_lr, local_shard, restore_state
+from dmuon_fsdp.state import adamw_kernel, adjusted_lr, lerp_math_dtype, local_shard, restore_state
 
 
 @dataclass(frozen=True)
@@ -642,6 +642,7 @@ class _Binder:
                     [buffers[i] for i, _ in chosen],
                     [d for _, d in chosen],
                     all(d.dtype == buffers[i].dtype for i, d in chosen),
+                    lerp_math_dtype(buffers[i].dtype for i, _ in chosen),
                 )
                 for chosen in (straight, through)
                 if chosen

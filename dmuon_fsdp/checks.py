@@ -141,7 +141,7 @@ def hyper_labels(groups: Sequence[dict[str, Any]]) -> list[str]:
 
 def hyper_digest(groups: Sequence[dict[str, Any]]) -> int:
     """32-bit checksum of the per-step options; it travels XORed into the key's digest (``encode``),
-    so ranks that step with different options disagree on the digest and explain."""
+    so ranks that step with different options disagree on the digest and raise alike."""
     return zlib.crc32(repr(hyper_numbers(groups)).encode())
 
 
@@ -272,7 +272,7 @@ def agree_on_plan(
     compare: bool,
 ) -> bool:
     """When a program is built: one ``all_reduce`` telling every rank whether any rank found
-    ``trouble`` or, with ``compare``, a different step key (then every rank should ``explain``).
+    ``trouble`` or, with ``compare``, a different step key (then every rank should ``raise_alike``).
     With ``compare``, ranks whose plans' ``signature``s differ all raise the same ValueError,
     naming the first Muon matrix whose identity (``identities``: per matrix, its name and what
     else the plan depends on) differs."""

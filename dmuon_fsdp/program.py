@@ -171,6 +171,7 @@ class NSInputs:
     buffers: list[Tensor]  # momentum buffers, read
     destinations: list[Tensor]
     in_place: bool  # destinations have the buffers' dtype: compute in them
+    math_dtype: torch.dtype | None  # lerp's for the buffers (``state.lerp_math_dtype``), planned once
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,15 @@ class Stage:
             group = groups[inputs.group]
             mine = [grads[i] for i in inputs.grads]
             momentum, nesterov = float(group["momentum"]), bool(group["nesterov"])
-            muon_input(inputs.destinations, inputs.buffers, mine, momentum, nesterov, inputs.in_place)
+            muon_input(
+                inputs.destinations,
+                inputs.buffers,
+                mine,
+                momentum,
+                nesterov,
+                inputs.in_place,
+                inputs.math_dtype,
+            )
         self.spread.run()
 
 

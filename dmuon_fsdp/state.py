@@ -6,7 +6,7 @@ implementation. No communication."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any, TypedDict
 
@@ -74,12 +74,18 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     return lr * 0.2 * math.sqrt(max(rows, cols))
 
 
-@lru_cache(maxsize=64)  # read at every step, made once per momentum and dtype
-def _complement(momentum: float, dtype: torch.dtype) -> float:
-    """1 - momentum as torch's lerp computes it for a weight of ``momentum`` on ``dtype`` tensors:
-    in the op's math type (float64 for float64 tensors, else float32). For momentum in [0.5, 1]
-    the difference is exact there (Sterbenz), so the double returned is that very number."""
-    math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+def lerp_math_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
+    """The type torch's lerp computes its weight in for tensors of all ``dtypes`` (float64 for
+    float64 tensors, else float32), or None when they differ."""
+    kinds = {torch.float64 if d == torch.float64 else torch.float32 for d in dtypes}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+@lru_cache(maxsize=64)  # read at every step, made once per momentum and math type
+def _complement(momentum: float, math_dtype: torch.dtype) -> float:
+    """1 - momentum as torch's lerp computes it for a weight of ``momentum``: in ``math_dtype``.
+    For momentum in [0.5, 1] the difference is exact there (Sterbenz), so the double returned is
+    that very number."""
     return float(1 - torch.tensor(momentum, dtype=math_dtype))
 
 
@@ -90,21 +96,22 @@ def muon_input(
     momentum: float,
     nesterov: bool,
     in_place: bool,
+    math_dtype: torch.dtype | None,
 ) -> None:
     """``dst`` <- what ``torch.optim.Muon`` orthogonalizes, bitwise: the new momentum buffer
     ``b' = b.lerp(g, 1 - momentum)`` (computed here, not committed: ``buffers`` are only read), or
     with Nesterov ``g.lerp(b', momentum)``, in the buffers' dtype (``in_place``: ``dst`` has it;
-    else through temporaries). torch's lerp computes ``g.lerp(b', m)`` for m >= 0.5 as
-    ``b' - (b' - g) * (1 - m)``, which is ``b'.lerp_(g, 1 - m)`` to the bit when the weight is the
-    same ``1 - m`` (below 0.5, where lerp takes its other form): so b' stays in place."""
+    else through temporaries; ``math_dtype``: ``lerp_math_dtype`` of the buffers). torch's lerp
+    computes ``g.lerp(b', m)`` for m >= 0.5 as ``b' - (b' - g) * (1 - m)``, which is
+    ``b'.lerp_(g, 1 - m)`` to the bit when the weight is the same ``1 - m`` (below 0.5, where lerp
+    takes its other form): so b' stays in place."""
     new = dst if in_place else torch._foreach_lerp(buffers, grads, 1.0 - momentum)
     if in_place:
         torch._foreach_copy_(dst, buffers)
         torch._foreach_lerp_(dst, grads, 1.0 - momentum)
     if nesterov:
-        math_dtypes = {torch.float64 if t.dtype == torch.float64 else torch.float32 for t in new}
-        if momentum >= 0.5 and len(math_dtypes) == 1:
-            torch._foreach_lerp_(new, grads, _complement(momentum, new[0].dtype))
+        if momentum >= 0.5 and math_dtype is not None:
+            torch._foreach_lerp_(new, grads, _complement(momentum, math_dtype))
         else:  # torch's other form, or lists whose math types differ: as torch writes it
             new = torch._foreach_lerp(grads, new, momentum)
     if new is not dst:

@@ -8,7 +8,7 @@ slot's arenas ([Note: slots] in ``dmuon_fsdp.exchange``): on the way to the owne
 buffers in ``comm_dtype``, one (B, s, l) stack per batch of owned matrices in ``ns_dtype`` (tall
 ones transposed), a ``comm_dtype`` staging copy of own pieces when ``comm_dtype != ns_dtype``
 (so that replicas round results alike) and scratch copies of local shards; on the way back, its
-exchange buffers, NorMuon's rows and the own results a later bucket of the slot would overwrite
+exchange buffers, a row variant's numbers and the own results a later bucket of the slot would overwrite
 before they are applied. What a parameter's matrices orthogonalize is written straight into its
 send-buffer segment or stack region when its shard is one piece sent whole, else made whole in
 scratch and spread. docs/design.md ("Memory") lists every buffer.
@@ -50,6 +50,7 @@ from dmuon_fsdp.exchange import (
     RankSchedule,
     Region,
     Transfer,
+    Wired,
     as_wire,
     in_shape,
     piece_of,
@@ -60,7 +61,6 @@ from dmuon_fsdp.exchange import (
 )
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
 from dmuon_fsdp.newton_schulz import Workspace, ns_segments, resolve_coefficients, segments_flops
-from dmuon_fsdp.normuon import STATE_KEY, NeuronNorm, bind_neurons
 from dmuon_fsdp.options import check_groups
 from dmuon_fsdp.param_groups import group_params, indexed
 from dmuon_fsdp.planner import Plan, build_plan
@@ -78,6 +78,7 @@ from dmuon_fsdp.program import (
     Updates,
 )
 from dmuon_fsdp.state import adamw_kernel, adjusted_lr, lerp_math_dtype, local_shard, restore_state
+from dmuon_fsdp.variants import RowBatch, RowStep, RowVariant, row_variant
 
 
 @dataclass(frozen=True)
@@ -259,12 +260,9 @@ def _forms(
     for m, group in zip(matrices, groups, strict=True):
         coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         segments = ns_segments(group["ns_algorithm"], coefficients, dtype, m.rows, m.cols)
-        neurons = (
-            (float(group["normuon_beta2"]), float(group["normuon_eps"]))
-            if group["variant"] == "normuon"
-            else None
-        )
-        out.append(NSForm(coefficients, float(group["eps"]), segments, neurons))
+        variant = row_variant(group)
+        settings = variant.settings(group) if variant is not None else ()
+        out.append(NSForm(coefficients, float(group["eps"]), segments, variant, settings))
     return out
 
 
@@ -317,8 +315,8 @@ def plan_program(
     exchange = wire_group(settings)
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flag_elements = FLAG_ELEMENTS if key.checked or settings.in_backward else 0
-    normed = frozenset(j for j, form in enumerate(forms) if form.neurons is not None)
-    per_row = PerRow(normed, width=2 if settings.comm_dtype.itemsize == 2 else 1)  # float32 bits
+    rowed = frozenset(j for j, form in enumerate(forms) if form.variant is not None)
+    per_row = PerRow(rowed, width=2 if settings.comm_dtype.itemsize == 2 else 1)  # float32 bits
     # Steps begun in backward start the buckets before the carrier from hooks, as many as the
     # slots hold with one to spare for the carrier (see dmuon_fsdp.program, the bucket loop).
     carrier = min(SLOTS - 1, len(plan.buckets) - 1) if settings.in_backward else 0
@@ -473,47 +471,50 @@ class _Binder:
 
     def batches(
         self, owned: Sequence[int], to: Region, back: Region
-    ) -> tuple[tuple[Batch, ...], dict[int, Tensor], NeuronNorm | None, dict[int, tuple[Tensor, Tensor]]]:
+    ) -> tuple[tuple[Batch, ...], dict[int, Tensor], tuple[RowStep, ...], dict[int, tuple[Tensor, Tensor]]]:
         """Each batch of owned matrices as a (B, s, l) stack from ``to``, each matrix's (rows,
-        cols) view into its stack (a transposed view for tall matrices), and NorMuon on those of
-        NorMuon's groups with each one's rows' second moments and factors (from ``back``)."""
-        batches, matrix_views, normed = [], {}, []
+        cols) view into its stack (a transposed view for tall matrices), and the row variants'
+        steps on the batches of their groups, with each matrix's row state and row factors (from
+        ``back``; see [Note: row variants] in ``dmuon_fsdp.variants``)."""
+        batches, matrix_views = [], {}
+        row_batches: dict[RowVariant, list[RowBatch]] = defaultdict(list)
         for (s, l, form), members in self.members(owned).items():
             stack = to.take(len(members) * s * l, self.settings.ns_dtype).view(len(members), s, l)
             work = Workspace.for_stack(stack, form.segments, self.workspace)
             batches.append(Batch(stack, form.coefficients, form.eps, form.segments, work))
             for b, j in enumerate(members):
                 matrix_views[j] = stack[b].mT if self.tall(j) else stack[b]
-            if form.neurons is not None:
-                shapes = [(self.plan.matrices[j].rows, self.plan.matrices[j].cols) for j in members]
-                normed.append((stack, dict(zip(members, shapes, strict=True)), form.neurons))
-        bound = bind_neurons(normed, self.settings.ns_dtype, back.take)
-        if bound is None:
-            return tuple(batches), matrix_views, None, {}
-        return tuple(batches), matrix_views, bound.norm, bound.rows
+            if form.variant is not None:
+                shapes = {j: (self.plan.matrices[j].rows, self.plan.matrices[j].cols) for j in members}
+                row_batches[form.variant].append(RowBatch(stack, shapes, form.settings))
+        steps: list[RowStep] = []
+        rows: dict[int, tuple[Tensor, Tensor]] = {}
+        for variant, bound in row_batches.items():
+            step = variant.bind(bound, self.settings.ns_dtype, back.take)
+            if step is not None:
+                steps.append(step)
+                matrices = [j for batch in bound for j in batch.shapes]
+                rows.update(zip(matrices, zip(step.state, step.factors, strict=True), strict=True))
+        return tuple(batches), matrix_views, tuple(steps), rows
 
-    def second_moments(self, t: Transfer) -> Tensor:
-        """This rank's state of ``t``'s rows (NorMuon's second moments)."""
+    def row_state(self, t: Transfer) -> Tensor:
+        """This rank's row state of ``t``'s rows (its group's row variant's)."""
+        variant = self.forms[t.matrix].variant
+        assert variant is not None  # asked of transfers that carry per-row numbers
         param = self.entries[self.entry_of(t.matrix)].param
-        return rows_of(local_shard(self.state[param][STATE_KEY]), t.piece)
+        return rows_of(local_shard(self.state[param][variant.state_key]), t.piece)
 
     def bucket(self, k: int, bucket: BucketSchedule) -> BucketProgram:
-        """Bucket ``k``'s views in its slot (see ``dmuon_fsdp.exchange``). NorMuon's per-row numbers
-        are float32 everywhere but on the wire, which carries their bits (``as_wire``)."""
+        """Bucket ``k``'s views in its slot (see ``dmuon_fsdp.exchange``)."""
         regions = self.pool.regions()
         to, back = regions[TO, k % SLOTS], regions[BACK, k % SLOTS]
-        batches, matrix, neurons, rows = self.batches(bucket.owned, to, back)
+        batches, matrix, row_steps, rows = self.batches(bucket.owned, to, back)
         group = wire_group(self.settings).process_group
         comm_dtype, ns_dtype = self.settings.comm_dtype, self.settings.ns_dtype
 
         def region(t: Transfer) -> Tensor:
             p = t.piece
             return matrix[t.matrix][p.row : p.row + p.rows, p.col : p.col + p.cols]
-
-        def owner_rows(t: Transfer) -> tuple[Tensor, Tensor]:
-            """The owner's second moments and factors of ``t``'s rows."""
-            v, f = rows[t.matrix]
-            return v[t.piece.row : t.piece.row + t.piece.rows], f[t.piece.row : t.piece.row + t.piece.rows]
 
         def kept(transfers: Sequence[Transfer], dtype: torch.dtype, region: Region) -> list[Tensor]:
             """A copy of each own piece, without per-row numbers, in ``dtype`` from ``region``."""
@@ -522,18 +523,9 @@ class _Binder:
         # The way to the owners: NS inputs (``feeds``) into the send buffer and own stacks.
         to_owners = wired(bucket.to_owners, comm_dtype, to, group)
         feeds = [(slot.piece, slot.transfer) for slot in to_owners.sent]
-        spread = Copies([], [])
-        spread.dst.extend(s.per_row for s in to_owners.sent if s.per_row is not None)
-        spread.src.extend(
-            as_wire(self.second_moments(s.transfer), comm_dtype)
-            for s in to_owners.sent
-            if s.per_row is not None
-        )
-        assemble = Copies([], [])
+        spread, assemble = Copies([], []), Copies([], [])
         for slot in to_owners.received:
             assemble.add(region(slot.transfer), slot.piece)
-            if slot.per_row is not None:
-                assemble.add(as_wire(owner_rows(slot.transfer)[0], comm_dtype), slot.per_row)
         own = list(bucket.own_pieces)
         if self.staged:
             for t, piece in zip(own, kept(own, comm_dtype, to), strict=True):
@@ -541,9 +533,6 @@ class _Binder:
                 assemble.add(region(t), piece)
         else:
             feeds += [(region(t), t) for t in own]
-        for t in own:
-            if t.per_row:
-                assemble.add(owner_rows(t)[0], self.second_moments(t))
         stage = self.stage(feeds, spread, to)
         reads = tuple(sorted({self.entry_of(t.matrix) for _, t in feeds}))
         needs = tuple(sorted({self.entry_of(j) for j in self.plan_bucket(k)}))
@@ -554,23 +543,7 @@ class _Binder:
         collect = Copies([], [])
         for slot in from_owners.sent:
             collect.add(slot.piece, region(slot.transfer))
-            if slot.per_row is not None:
-                v, f = owner_rows(slot.transfer)
-                collect.add(slot.second_moments, as_wire(v, comm_dtype))
-                collect.add(slot.factors, as_wire(f, comm_dtype))
-        writes = Copies([], [])  # the rows' new second moments into the state, their factors out
-        count = sum(slot.transfer.piece.rows for slot in from_owners.received if slot.per_row is not None)
-        factors = back.take(count, torch.float32)
-        returned: list[tuple[Transfer, Tensor, Tensor | None]] = []  # (transfer, its result, rows' factors)
-        offset = 0
-        for slot in from_owners.received:
-            t, row_factors = slot.transfer, None
-            if slot.per_row is not None:
-                moments, row_factors = self.second_moments(t), factors[offset : offset + t.piece.rows]
-                writes.add(as_wire(moments, comm_dtype), slot.second_moments)
-                writes.add(as_wire(row_factors, comm_dtype), slot.factors)
-                offset += t.piece.rows
-            returned.append((t, slot.piece, row_factors))
+        returned = [(slot.transfer, slot.piece) for slot in from_owners.received]
         results = list(bucket.own_results)
         if self.staged or k + SLOTS < len(self.schedule.buckets):
             # through the wire's dtype (replicas round results alike), or kept from being overwritten
@@ -579,20 +552,21 @@ class _Binder:
                 collect.add(piece, region(t))
         else:
             copies = [region(t) for t in results]
-        for t, direction in zip(results, copies, strict=True):
-            row_factors = None
-            if t.per_row:
-                v, row_factors = owner_rows(t)
-                writes.add(self.second_moments(t), v)
-            returned.append((t, direction, row_factors))
+        returned += zip(results, copies, strict=True)
+
+        writes = Copies([], [])  # a row variant's new state into the holders' state, its factors out
+        factors = self.carry_rows(
+            bucket, to_owners, from_owners, rows, back, spread, assemble, collect, writes
+        )
         updates: dict[tuple[int, float], Updates] = {}
-        for t, direction, row_factors in returned:
+        for t, direction in returned:
             cls = self.update_class(t.matrix)
+            row_factors = factors.get(t)
             u = updates.setdefault(cls, Updates(*cls, [], [], [] if row_factors is not None else None))
             u.params.append(piece_of(self.locals[self.entry_of(t.matrix)], t.piece))
             u.directions.append(direction)
             if row_factors is not None:
-                assert u.factors is not None  # a group's matrices are all NorMuon's or none is
+                assert u.factors is not None  # a group's matrices all have its row variant, or none
                 u.factors.append(row_factors.view(-1, 1))
         for name, r in ((TO, to), (BACK, back)):
             self.needed[name, k % SLOTS] = max(self.needed[name, k % SLOTS], r.used)
@@ -603,12 +577,68 @@ class _Binder:
             to_owners.exchange,
             assemble,
             batches,
-            neurons,
+            row_steps,
             collect,
             from_owners.exchange,
             tuple(updates.values()),
             writes,
         )
+
+    def carry_rows(
+        self,
+        bucket: BucketSchedule,
+        to_owners: Wired,
+        from_owners: Wired,
+        rows: dict[int, tuple[Tensor, Tensor]],
+        back: Region,
+        spread: Copies,
+        assemble: Copies,
+        collect: Copies,
+        writes: Copies,
+    ) -> dict[Transfer, Tensor]:
+        """A row variant's numbers around one bucket's exchanges ([Note: row variants] in
+        ``dmuon_fsdp.variants``; ``rows[j]``: the owner's row state and row factors of matrix j):
+        the holders' row state into the send buffer (``spread``) and from the receive buffer or
+        own rows into the owner's (``assemble``); the owner's new state and factors into the
+        return buffer (``collect``), and from it (or the owner's, for own results) into the
+        holders' state and a factor buffer from ``back`` (``writes``). Returns the row factors
+        of each transfer returned to this rank. Float32 everywhere but on the wire, which
+        carries their bits (``as_wire``)."""
+        comm_dtype = self.settings.comm_dtype
+
+        def owner_rows(t: Transfer) -> tuple[Tensor, Tensor]:
+            v, f = rows[t.matrix]
+            return v[t.piece.row : t.piece.row + t.piece.rows], f[t.piece.row : t.piece.row + t.piece.rows]
+
+        for slot in to_owners.sent:
+            if slot.per_row is not None:
+                spread.add(slot.per_row, as_wire(self.row_state(slot.transfer), comm_dtype))
+        for slot in to_owners.received:
+            if slot.per_row is not None:
+                assemble.add(as_wire(owner_rows(slot.transfer)[0], comm_dtype), slot.per_row)
+        for t in bucket.own_pieces:
+            if t.per_row:
+                assemble.add(owner_rows(t)[0], self.row_state(t))
+        for slot in from_owners.sent:
+            if slot.per_row is not None:
+                v, f = owner_rows(slot.transfer)
+                collect.add(slot.row_state, as_wire(v, comm_dtype))
+                collect.add(slot.row_factors, as_wire(f, comm_dtype))
+        factors: dict[Transfer, Tensor] = {}
+        arriving = [slot for slot in from_owners.received if slot.per_row is not None]
+        flat = back.take(sum(slot.transfer.piece.rows for slot in arriving), torch.float32)
+        offset = 0
+        for slot in arriving:
+            t = slot.transfer
+            factors[t] = flat[offset : offset + t.piece.rows]
+            writes.add(as_wire(self.row_state(t), comm_dtype), slot.row_state)
+            writes.add(as_wire(factors[t], comm_dtype), slot.row_factors)
+            offset += t.piece.rows
+        for t in bucket.own_results:
+            if t.per_row:
+                v, factors[t] = owner_rows(t)
+                writes.add(self.row_state(t), v)
+        return factors
 
     def stage(self, feeds: list[tuple[Tensor, Transfer]], spread: Copies, to: Region) -> Stage:
         """Where one bucket's NS inputs are written (``feeds``: destination and piece): per Muon

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_fsdp import comm
-from dmuon_fsdp.normuon import STATE_KEY
 from dmuon_fsdp.state import local_shard
+from dmuon_fsdp.variants import VARIANTS, row_state_keys
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -58,8 +58,7 @@ STRUCTURAL = (
     "split_sizes",
     "num_heads",
     "variant",
-    "normuon_beta2",
-    "normuon_eps",
+    *(option for variant in VARIANTS.values() if variant is not None for option in variant.options),
 )
 
 # Per-step options that every rank must step with alike (read at every step, so not in the key):
@@ -246,12 +245,14 @@ class Flags:
 
 
 def stale_layouts(params: Sequence[Tensor], state: Any) -> set[Tensor]:
-    """Parameters whose local shard no longer matches their state (resharded or resized); NorMuon's
-    second moments match the local shard's leading (row) dims."""
+    """Parameters whose local shard no longer matches their state (resharded or resized); a row
+    variant's state matches the local shard's leading (row) dims."""
+
+    rows = row_state_keys()
 
     def matches(key: str, value: Tensor, local: Tensor) -> bool:
         shape = local_shard(value).shape
-        return key == "step" or shape == (local.shape[: len(shape)] if key == STATE_KEY else local.shape)
+        return key == "step" or shape == (local.shape[: len(shape)] if key in rows else local.shape)
 
     return {p for p in params if not all(matches(k, v, local_shard(p)) for k, v in state[p].items())}
 

@@ -7,10 +7,10 @@ the owner's replica), and the exchange *from owners* brings every holder, replic
 piece of each orthogonalized matrix. Each is one ``all_to_all_single`` whose buffer holds one
 segment per peer in process-group order; a segment is ``flag_elements`` check elements (in the
 exchange that carries them only, own segment included; see ``dmuon_fsdp.checks``) followed by
-the pieces in bucket order. A piece of a matrix whose rows carry numbers of their own (NorMuon's second
-moments, see ``dmuon_fsdp.normuon``) is followed by them: to the owner, the old values of its
-rows once per row (with the pieces that hold the matrix's first column); back, the new values
-and the rows' update factors. Pieces that stay on this rank never enter a buffer
+the pieces in bucket order. A piece of a matrix whose rows carry numbers of their own (a row
+variant's, see [Note: row variants] in ``dmuon_fsdp.variants``) is followed by them: to the
+owner, its rows' state once per row (with the pieces that hold the matrix's first column);
+back, the new state and the rows' factors. Pieces that stay on this rank never enter a buffer
 (``own_pieces``, ``own_results``). Split sizes are derived from these lists, and the lists are
 checked when they are built (``check``). ``wired`` lays a wire into a buffer: per transfer, its
 piece (rows x cols) and its per-row numbers (``Slot``).
@@ -20,7 +20,7 @@ views from. A step runs its buckets one after another, and at most ``SLOTS`` of 
 buffers at once: bucket k takes its views from slot ``k % SLOTS``. A slot has two arenas, one
 for the bucket's way to its owners (send and receive buffers, the stacks of owned matrices,
 staging and scratch: alive from making its NS inputs to collecting its results) and one for
-its way back (send and receive buffers, NorMuon's rows, own results kept for the update: alive
+its way back (send and receive buffers, a row variant's numbers, own results kept for the update: alive
 from its Newton-Schulz to its update). With two slots, bucket k+1 travels while bucket k's NS
 runs, and bucket k+2 takes bucket k's arenas once k is through with them; the bucket loop
 (``dmuon_fsdp.program``) orders its work so. One more arena holds the NS workspace, used by one
@@ -48,11 +48,11 @@ from dmuon_fsdp.planner import Bucket, Plan
 
 @dataclass(frozen=True)
 class PerRow:
-    """The matrices whose per-row numbers (NorMuon's, float32) travel with their pieces, each
-    number taking ``width`` wire elements: its bits, 2 on a 16-bit wire, so that they travel
-    exactly whatever the wire's dtype. To the owner, one number per row, with the pieces that
-    start the rows (one copy of each row's, however the rows' columns are cut); back, two (the
-    new second moment and the row's factor), with every piece."""
+    """The matrices whose per-row numbers (a row variant's, float32) travel with their pieces,
+    each number taking ``width`` wire elements: its bits, 2 on a 16-bit wire, so that they travel
+    exactly whatever the wire's dtype. To the owner, one number per row (its state), with the
+    pieces that start the rows (one copy of each row's, however the rows' columns are cut); back,
+    two (the row's new state and its factor), with every piece."""
 
     matrices: frozenset[int] = frozenset()
     width: int = 1
@@ -298,21 +298,21 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
 @dataclass(frozen=True)
 class Slot:
     """Where a transfer sits in a buffer: its piece (rows, cols) and its per-row numbers (None
-    when none travel, see ``schedule.PerRow``): to the owner, the rows' second moments; back,
-    the new ones (``second_moments``) and then the rows' factors (``factors``), as the wire
-    holds float32 numbers (``as_wire``)."""
+    when none travel, see ``PerRow``): to the owner, the rows' state; back, the new state
+    (``row_state``) and then the rows' factors (``row_factors``), as the wire holds float32
+    numbers (``as_wire``)."""
 
     transfer: Transfer
     piece: Tensor
     per_row: Tensor | None
 
     @property
-    def second_moments(self) -> Tensor:
+    def row_state(self) -> Tensor:
         assert self.per_row is not None  # asked of slots whose transfer carries per-row numbers
         return self.per_row[: self.per_row.numel() // 2]
 
     @property
-    def factors(self) -> Tensor:
+    def row_factors(self) -> Tensor:
         assert self.per_row is not None  # asked of slots whose transfer carries per-row numbers
         return self.per_row[self.per_row.numel() // 2 :]
 
@@ -338,7 +338,7 @@ def piece_of(local: Tensor, piece: Piece) -> Tensor:
 
 
 def rows_of(local: Tensor, piece: Piece) -> Tensor:
-    """A rank's piece's rows in a tensor of one number per local row (NorMuon's state)."""
+    """A rank's piece's rows in a tensor of one number per local row (a row variant's state)."""
     return local.view(-1)[piece.local_row : piece.local_row + piece.rows]
 
 

@@ -17,8 +17,8 @@ from dmuon_fsdp import comm
 from dmuon_fsdp.checks import NONFINITE_POLICIES
 from dmuon_fsdp.layouts import describe_params
 from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
-from dmuon_fsdp.normuon import STATE_KEY, VARIANTS, row_dims
 from dmuon_fsdp.state import state_keys
+from dmuon_fsdp.variants import VARIANTS, row_shape, row_state_keys
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -187,11 +187,10 @@ def check_muon_group(group: dict[str, Any]) -> None:
     if not isinstance(group["flatten"], bool):
         raise ValueError(f"flatten must be True or False, got {group['flatten']!r}")
     if group["variant"] not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
-    if not 0.0 <= group["normuon_beta2"] < 1.0:
-        raise ValueError(f"normuon_beta2 must be in [0, 1), got {group['normuon_beta2']!r}")
-    if not (math.isfinite(group["normuon_eps"]) and group["normuon_eps"] > 0.0):
-        raise ValueError(f"normuon_eps must be a finite number > 0, got {group['normuon_eps']!r}")
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {group['variant']!r}")
+    for variant in VARIANTS.values():  # every variant's options are in every Muon group
+        if variant is not None:
+            variant.check(group)
 
 
 def check_groups(groups: list[dict[str, Any]], first_index: int = 0) -> None:
@@ -212,13 +211,13 @@ def check_adamw_group(group: dict[str, Any]) -> None:
 
 def check_saved_state(name: str, param: Tensor, group: dict[str, Any], saved: dict[str, Any]) -> None:
     """``saved`` (from a state dict) must hold the state keys of the parameter's kind, each
-    shaped like the parameter (NorMuon's second moments like its rows, ``step`` aside), or
+    shaped like the parameter (a row variant's state like its rows, ``step`` aside), or
     nothing (the parameter then starts afresh)."""
     expected = set(state_keys(group))
     if saved and set(saved) != expected:
         raise ValueError(f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}")
     for key, value in saved.items():
-        shape = tuple(param.shape[: row_dims(param, group["flatten"])] if key == STATE_KEY else param.shape)
+        shape = row_shape(param, group["flatten"]) if key in row_state_keys() else tuple(param.shape)
         if key != "step" and tuple(value.shape) != shape:
             raise ValueError(f"{name}: saved {key} has shape {tuple(value.shape)}, expected {shape}")
 

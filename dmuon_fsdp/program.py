@@ -59,12 +59,12 @@ from dmuon_fsdp.checks import (
 )
 from dmuon_fsdp.exchange import SLOTS
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
-from dmuon_fsdp.normuon import NeuronNorm
 from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.state import AdamWKernel, adamw, local_shard, muon_input
 
 if TYPE_CHECKING:
     from dmuon_fsdp.options import Options
+    from dmuon_fsdp.variants import RowStep, RowVariant
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,14 @@ class Copies:
 @dataclass(frozen=True)
 class NSForm:
     """How one matrix is orthogonalized: its group's NS settings and the form for its shape;
-    ``neurons``: NorMuon's (beta2, eps) when its group's variant is NorMuon."""
+    ``variant``: its group's row variant and the ``settings`` it reads (see [Note: row
+    variants] in ``dmuon_fsdp.variants``)."""
 
     coefficients: tuple[Coefficients, ...]
     eps: float
     segments: tuple[int, ...]
-    neurons: tuple[float, float] | None = None
+    variant: RowVariant | None = None
+    settings: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class Batch:
 class Updates:
     """``params -= lr * scale * directions`` on views of local shards, ``lr`` read from param
     group ``group`` at each step; ``directions`` are views of orthogonalized results, scaled row
-    by row by ``factors`` (views shaped (rows, 1)) for NorMuon's groups."""
+    by row by ``factors`` (views shaped (rows, 1)) in groups with a row variant."""
 
     group: int
     scale: float
@@ -143,7 +145,7 @@ class Updates:
 class BucketProgram:
     """One bucket bound to its slot's buffers (see ``dmuon_fsdp.exchange``), in the order a step
     runs it: ``stage`` makes its NS inputs, ``to_owners`` carries them, ``assemble`` stacks what
-    arrived, ``batches`` (and ``neurons``) orthogonalize, ``collect`` fills the way back,
+    arrived, ``batches`` orthogonalize (and ``rows`` run the row variants), ``collect`` fills the way back,
     ``from_owners`` returns the results, ``updates`` and ``writes`` apply them."""
 
     reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
@@ -152,11 +154,11 @@ class BucketProgram:
     to_owners: comm.Exchange | None
     assemble: Copies  # received pieces (and own ones, when staged) into the stacks
     batches: tuple[Batch, ...]
-    neurons: NeuronNorm | None  # NorMuon on the owned matrices of NorMuon's groups
+    rows: tuple[RowStep, ...]  # row variants on the owned matrices of their groups, after NS
     collect: Copies  # results into the return buffer (and own ones into the way back's arena)
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
-    writes: Copies  # NorMuon's new second moments into the holders' state
+    writes: Copies  # a row variant's new row state into the holders' state, row factors out
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ class NSInputs:
 class Stage:
     """A bucket's NS inputs: written straight where they travel (a parameter whose shard is one
     piece sent whole), or made whole in scratch copies that ``spread`` copies into place (with
-    NorMuon's second moments of the rows that travel)."""
+    a row variant's state of the rows that travel)."""
 
     inputs: tuple[NSInputs, ...]
     spread: Copies
@@ -470,8 +472,8 @@ class StepRun:
                 for batch in bucket.batches:
                     batch.orthogonalize()
                     stats.ns_matrices += batch.stack.shape[0]
-                if bucket.neurons is not None:
-                    bucket.neurons.run()
+                for rows in bucket.rows:
+                    rows.run()
         with stats.phase("return"):
             if not discarded:
                 bucket.collect.run()
@@ -486,7 +488,7 @@ class StepRun:
             with stats.phase("wait"):
                 wait(self.from_owners.pop(k))
             with stats.phase("apply"):
-                bucket.writes.run()  # NorMuon's new second moments into the state, the rows' factors out
+                bucket.writes.run()  # new row state into the state, the row factors out
                 for u in bucket.updates:
                     u.apply(groups)
         return max(applied, last + 1)
@@ -530,8 +532,8 @@ class StepStats:
     then). Counted for every step that ran: ``ns_matrices`` (matrices this rank orthogonalized,
     counted as each batch runs), ``ns_flops`` (their Newton-Schulz flops), ``bytes_sent`` and
     ``bytes_received`` (matrix pieces to and from other ranks, both exchanges; the check flags
-    riding in one exchange, ``flag_bytes`` each way, and NorMuon's row statistics, one or two
-    numbers per row, are not included),
+    riding in one exchange, ``flag_bytes`` each way, and a row variant's numbers, one or two per
+    row, are not included),
     ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers the optimizer keeps
     between steps: the two slots' exchange buffers, stacks of owned matrices, staging and scratch
     copies, and the NS workspace, which every bucket and every kept program share:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as torch_adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-from dmuon_fsdp.normuon import STATE_KEY, row_dims, second_moment_like
+from dmuon_fsdp.variants import row_shape, row_state_keys, row_state_like, row_variant
 
 
 def local_shard(t: Tensor) -> Tensor:
@@ -27,22 +27,25 @@ def local_shard(t: Tensor) -> Tensor:
 
 
 def state_keys(group: dict[str, Any]) -> tuple[str, ...]:
-    """The state entries of a parameter of ``group``: Muon's momentum buffer (and NorMuon's
-    second moments of its rows), or AdamW's ``step`` and moments."""
+    """The state entries of a parameter of ``group``: Muon's momentum buffer (and its row
+    variant's row state), or AdamW's ``step`` and moments."""
     if not group["use_muon"]:
         return ("step", "exp_avg", "exp_avg_sq")
-    return ("momentum_buffer", STATE_KEY) if group["variant"] == "normuon" else ("momentum_buffer",)
+    variant = row_variant(group)
+    return ("momentum_buffer",) if variant is None else ("momentum_buffer", variant.state_key)
 
 
 def initial_state(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
     """A parameter's optimizer state before its first step, placed like the parameter: Muon's
-    momentum buffer (and NorMuon's second moments, placed like the parameter's rows), or AdamW's
-    moments and ``step`` (a plain tensor on the parameter's device, where fused AdamW reads it)."""
+    momentum buffer (and its row variant's row state, placed like the parameter's rows), or
+    AdamW's moments and ``step`` (a plain tensor on the parameter's device, where fused AdamW
+    reads it)."""
     zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
     if group["use_muon"]:
         state = {"momentum_buffer": zeros}
-        if group["variant"] == "normuon":
-            state[STATE_KEY] = second_moment_like(p, group["flatten"])
+        variant = row_variant(group)
+        if variant is not None:
+            state[variant.state_key] = row_state_like(p, group["flatten"])
         return state
     step = torch.zeros((), dtype=torch.float32, device=p.device)
     return {"step": step, "exp_avg": zeros, "exp_avg_sq": torch.zeros_like(zeros)}
@@ -52,19 +55,23 @@ def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
     """Make afresh the state that was cleared or removed by hand (``opt.state.clear()``, ``del
     opt.state[p]``, a new ``opt.state``): a parameter missing a state entry of its kind starts as
     before its first step, as with torch's optimizers (whose state is lazy). A group whose
-    ``variant`` or ``flatten`` changed keeps its momentum: NorMuon's second moments start at zero
-    in the new shape, or go."""
+    ``variant`` or ``flatten`` changed keeps its momentum: the row state of its variant starts at
+    zero in the new shape, another variant's goes."""
+    every = row_state_keys()
     for group in groups:
         keys = state_keys(group)
+        variant = row_variant(group) if group["use_muon"] else None
+        rows = variant.state_key if variant is not None else None
         for p in group["params"]:
             held = state.get(p, {})
             missing = [key for key in keys if key not in held]
-            if missing and missing != [STATE_KEY]:
+            if missing and missing != [rows]:
                 state[p] = initial_state(p, group)
-            elif STATE_KEY not in keys:
-                held.pop(STATE_KEY, None)
-            elif missing or held[STATE_KEY].shape != p.shape[: row_dims(p, group["flatten"])]:
-                held[STATE_KEY] = second_moment_like(p, group["flatten"])  # (``flatten`` changed)
+                continue
+            for key in every - set(keys):  # another variant's row state goes
+                held.pop(key, None)
+            if rows is not None and (missing or held[rows].shape != row_shape(p, group["flatten"])):
+                held[rows] = row_state_like(p, group["flatten"])  # (``flatten`` changed)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from dmuon_fsdp.newton_schulz import NS_ALGORITHMS
-from dmuon_fsdp.normuon import VARIANTS
+from dmuon_fsdp.variants import VARIANTS
 from recipes.model import PRESETS
 
 DEFAULT_LR = {"dmuon": 0.01, "torch-muon": 0.01, "adamw": 3e-3}  # from scripts/lr_sweep.sh
@@ -95,7 +95,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     opt.add_argument(
         "--variant",
         default=None,
-        choices=VARIANTS,
+        choices=tuple(VARIANTS),
         help="DMuonFSDP's update: muon, or normuon (each row of the orthogonalized update normalized by "
         "its running second moment, NorMuon) (default: muon)",
     )

@@ -57,12 +57,13 @@ def given_gradients(model):
     return loss
 
 
-def against_reference(model, groups, loss, steps=STEPS, **options):
+def against_reference(model, groups, loss, steps=STEPS, row_reference=None, **options):
     """``train`` DMuonFSDP (``OPTIONS`` and ``options``) on ``groups`` with the float64
-    ``Reference`` following it: each Muon parameter's relative error from the reference, and what
-    the steps did (``Reference.counts``)."""
+    ``Reference`` following it (``row_reference``: a row variant's, see ``Reference``): each Muon
+    parameter's relative error from the reference, and what the steps did
+    (``Reference.counts``)."""
     opt = DMuonFSDP(groups, **{**OPTIONS, **options})
-    reference = Reference(model, opt)
+    reference = Reference(model, opt, row_reference)
     train([(model, opt)], steps, loss=loss, reference=reference)
     return reference.errors(), reference.counts
 

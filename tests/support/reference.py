@@ -40,11 +40,13 @@ def reference_muon_step(
     second_moment=None,
     normuon_beta2=0.95,
     normuon_eps=1e-8,
+    row_factors=None,
 ):
     """One Muon step on float64 full tensors, in place on ``param`` and ``buf`` (the defaults are
     torch.optim.Muon's, weight decay aside). With ``second_moment`` (one number per row of the
     matrix, updated in place), NorMuon's step: each row of the orthogonalized matrix O divided
-    by sqrt(v) + eps, the result rescaled to O's Frobenius norm."""
+    by sqrt(v) + eps, the result rescaled to O's Frobenius norm. With ``row_factors`` (a function
+    of O giving one number per row), each row of O is scaled by its number."""
     buf.mul_(momentum).add_(grad, alpha=1 - momentum)
     update = grad + momentum * (buf - grad) if nesterov else buf
     ortho = reference_orthogonalize(update, coefficients, steps, eps)
@@ -54,6 +56,8 @@ def reference_muon_step(
         normalized = ortho / (v.sqrt() + normuon_eps)[:, None]
         size = normalized.norm().item()
         ortho = normalized * (ortho.norm().item() / size) if size > 0 else normalized
+    if row_factors is not None:
+        ortho = ortho * row_factors(ortho)[:, None]
     rows, cols = ortho.shape
     if adjust_lr_fn == "match_rms_adamw":
         scale = 0.2 * math.sqrt(max(rows, cols))

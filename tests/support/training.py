@@ -4,6 +4,7 @@ step by step on the same full gradients (``Reference``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -78,14 +79,16 @@ def matrices(tensor, group):
 
 class Reference:
     """The float64 reference Muon on full matrices beside a DMuonFSDP run: its Muon parameters
-    (``params``, by name), each matrix as its group says, with the group's options; NorMuon's
-    second moments kept per matrix for its groups. A parameter without a gradient in a step is
+    (``params``, by name), each matrix as its group says, with the group's options; a row
+    variant's state kept per matrix for its groups: NorMuon's second moments, or for another
+    variant the state ``row_reference(O, state)`` updates in place and whose row factors it
+    returns. A parameter without a gradient in a step is
     left alone. ``counts`` sums what the run's steps did: matrices orthogonalized, all-to-alls,
     gathers, bytes sent and planned, the plan's matrices and this rank's, the most buckets. Full
     tensors are read outside ``opt.step()`` only."""
 
-    def __init__(self, model, opt):
-        self.opt = opt
+    def __init__(self, model, opt, row_reference=None):
+        self.opt, self.row_reference = opt, row_reference
         self.groups = {p: group for group in opt.param_groups if group["use_muon"] for p in group["params"]}
         self.named = {n: p for n, p in model.named_parameters() if p in self.groups}
         self.params = {n: full(p).detach().double().clone() for n, p in self.named.items()}
@@ -95,7 +98,7 @@ class Reference:
                 torch.zeros(m.shape[0], dtype=torch.float64) for m in matrices(self.params[n], self.groups[p])
             ]
             for n, p in self.named.items()
-            if self.groups[p]["variant"] == "normuon"
+            if self.groups[p]["variant"] != "muon"
         }
         self.counts = dict.fromkeys(COUNTS, 0)
         self.grads = {}
@@ -120,8 +123,12 @@ class Reference:
             views = zip(*(matrices(t, group) for t in (self.params[n], grad, self.bufs[n])), strict=True)
             options = {k: group[k] for k in REFERENCE_OPTIONS}
             for b, (p, g, buf) in enumerate(views):
-                second_moment = self.moments[n][b] if n in self.moments else None
-                reference_muon_step(p, g, buf, **options, second_moment=second_moment)
+                state = self.moments[n][b] if n in self.moments else None
+                if group["variant"] in ("muon", "normuon"):
+                    reference_muon_step(p, g, buf, **options, second_moment=state)
+                else:
+                    factors = partial(self.row_reference, state=state)
+                    reference_muon_step(p, g, buf, **options, row_factors=factors)
 
     def errors(self) -> dict[str, float]:
         """Each parameter's relative error from the reference's."""

@@ -44,9 +44,10 @@ class RowBatch:
 
 class RowStep(Protocol):
     """A row variant bound to one bucket's owned matrices. ``state`` and ``factors``: one float32
-    view of ``rows`` numbers per matrix, in the order of the ``RowBatch`` es it was bound to and
-    their ``shapes``; the program fills ``state`` with the rows' state before ``run`` and reads
-    the new state from it, and the factors from ``factors``, after."""
+    view of ``rows`` numbers per matrix, in the order of the batches it was bound to and their
+    ``shapes``; the program fills ``state`` with the rows' state before ``run`` and reads the
+    new state from it, and the factors from ``factors``, after. ``run`` writes only into its own
+    views (the program writes the new state into the optimizer's after the step's verdict)."""
 
     @property
     def state(self) -> list[Tensor]: ...

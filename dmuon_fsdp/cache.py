@@ -488,14 +488,14 @@ class _Binder:
                 shapes = {j: (self.plan.matrices[j].rows, self.plan.matrices[j].cols) for j in members}
                 row_batches[form.variant].append(RowBatch(stack, shapes, form.settings))
         steps: list[RowStep] = []
-        rows: dict[int, tuple[Tensor, Tensor]] = {}
+        owned_rows: dict[int, tuple[Tensor, Tensor]] = {}
         for variant, bound in row_batches.items():
             step = variant.bind(bound, self.settings.ns_dtype, back.take)
             if step is not None:
                 steps.append(step)
                 matrices = [j for batch in bound for j in batch.shapes]
-                rows.update(zip(matrices, zip(step.state, step.factors, strict=True), strict=True))
-        return tuple(batches), matrix_views, tuple(steps), rows
+                owned_rows.update(zip(matrices, zip(step.state, step.factors, strict=True), strict=True))
+        return tuple(batches), matrix_views, tuple(steps), owned_rows
 
     def row_state(self, t: Transfer) -> Tensor:
         """This rank's row state of ``t``'s rows (its group's row variant's)."""
@@ -508,7 +508,7 @@ class _Binder:
         """Bucket ``k``'s views in its slot (see ``dmuon_fsdp.exchange``)."""
         regions = self.pool.regions()
         to, back = regions[TO, k % SLOTS], regions[BACK, k % SLOTS]
-        batches, matrix, row_steps, rows = self.batches(bucket.owned, to, back)
+        batches, matrix, row_steps, owned_rows = self.batches(bucket.owned, to, back)
         group = wire_group(self.settings).process_group
         comm_dtype, ns_dtype = self.settings.comm_dtype, self.settings.ns_dtype
 
@@ -556,7 +556,7 @@ class _Binder:
 
         writes = Copies([], [])  # a row variant's new state into the holders' state, its factors out
         factors = self.carry_rows(
-            bucket, to_owners, from_owners, rows, back, spread, assemble, collect, writes
+            bucket, to_owners, from_owners, owned_rows, back, spread, assemble, collect, writes
         )
         updates: dict[tuple[int, float], Updates] = {}
         for t, direction in returned:
@@ -589,7 +589,7 @@ class _Binder:
         bucket: BucketSchedule,
         to_owners: Wired,
         from_owners: Wired,
-        rows: dict[int, tuple[Tensor, Tensor]],
+        owned_rows: dict[int, tuple[Tensor, Tensor]],
         back: Region,
         spread: Copies,
         assemble: Copies,
@@ -597,17 +597,18 @@ class _Binder:
         writes: Copies,
     ) -> dict[Transfer, Tensor]:
         """A row variant's numbers around one bucket's exchanges ([Note: row variants] in
-        ``dmuon_fsdp.variants``; ``rows[j]``: the owner's row state and row factors of matrix j):
+        ``dmuon_fsdp.variants``; ``owned_rows[j]``: the owner's row state and row factors of matrix j):
         the holders' row state into the send buffer (``spread``) and from the receive buffer or
         own rows into the owner's (``assemble``); the owner's new state and factors into the
         return buffer (``collect``), and from it (or the owner's, for own results) into the
         holders' state and a factor buffer from ``back`` (``writes``). Returns the row factors
-        of each transfer returned to this rank. Float32 everywhere but on the wire, which
+        of each transfer returned to this rank (each returns one matrix's piece, so they are
+        distinct: ``exchange.check``). Float32 everywhere but on the wire, which
         carries their bits (``as_wire``)."""
         comm_dtype = self.settings.comm_dtype
 
         def owner_rows(t: Transfer) -> tuple[Tensor, Tensor]:
-            v, f = rows[t.matrix]
+            v, f = owned_rows[t.matrix]
             return v[t.piece.row : t.piece.row + t.piece.rows], f[t.piece.row : t.piece.row + t.piece.rows]
 
         for slot in to_owners.sent:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
-# Muon group options built into a step program: changing one rebuilds it.
+# Muon group options built into a step program: changing one rebuilds it (with the variants').
 STRUCTURAL = (
     "ns_steps",
     "ns_coefficients",
@@ -58,8 +58,13 @@ STRUCTURAL = (
     "split_sizes",
     "num_heads",
     "variant",
-    *(option for variant in VARIANTS.values() if variant is not None for option in variant.options),
 )
+
+
+def structural_options() -> tuple[str, ...]:
+    """``STRUCTURAL`` and every row variant's options."""
+    return STRUCTURAL + tuple(option for v in VARIANTS.values() if v is not None for option in v.options)
+
 
 # Per-step options that every rank must step with alike (read at every step, so not in the key):
 # checked through the flags too, without a rebuild when they change alike (a scheduler's lr).
@@ -104,12 +109,13 @@ class StepKey:
     """What a step program is built for; two steps with equal keys run the same program."""
 
     has_grad: tuple[bool, ...]  # per optimizer parameter, in optimizer order
-    options: tuple[tuple[Any, ...], ...]  # per Muon group, its ``STRUCTURAL`` values
+    options: tuple[tuple[Any, ...], ...]  # per Muon group, its ``structural_options`` values
     checked: bool  # whether check flags travel (with a check on)
 
     @classmethod
     def of(cls, groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], checked: bool) -> StepKey:
-        options = tuple(tuple(frozen(g[k]) for k in STRUCTURAL) for g in groups if g["use_muon"])
+        keys = structural_options()
+        options = tuple(tuple(frozen(g[k]) for k in keys) for g in groups if g["use_muon"])
         return cls(tuple(g is not None for g in grads), options, checked)
 
     @cached_property
@@ -248,11 +254,11 @@ def stale_layouts(params: Sequence[Tensor], state: Any) -> set[Tensor]:
     """Parameters whose local shard no longer matches their state (resharded or resized); a row
     variant's state matches the local shard's leading (row) dims."""
 
-    rows = row_state_keys()
+    row_keys = row_state_keys()
 
     def matches(key: str, value: Tensor, local: Tensor) -> bool:
         shape = local_shard(value).shape
-        return key == "step" or shape == (local.shape[: len(shape)] if key in rows else local.shape)
+        return key == "step" or shape == (local.shape[: len(shape)] if key in row_keys else local.shape)
 
     return {p for p in params if not all(matches(k, v, local_shard(p)) for k, v in state[p].items())}
 
@@ -430,8 +436,9 @@ def _explain_options(
                 f"ranks disagree on {label} ({per_rank}): every rank must step with the same options"
             )
     muon = [(g, options) for g, options in enumerate(groups) if options["use_muon"]]
-    labels = [f"param group {g}'s {key}" for g, _ in muon for key in STRUCTURAL]
-    digests = [zlib.crc32(repr(frozen(options[key])).encode()) for _, options in muon for key in STRUCTURAL]
+    keys = structural_options()
+    labels = [f"param group {g}'s {key}" for g, _ in muon for key in keys]
+    digests = [zlib.crc32(repr(frozen(options[key])).encode()) for _, options in muon for key in keys]
     table = _rows(digests, torch.int64, group, device)
     for column, label in enumerate(labels):
         if len({row[column] if column < len(row) else None for row in table}) > 1:

@@ -145,8 +145,9 @@ class Updates:
 class BucketProgram:
     """One bucket bound to its slot's buffers (see ``dmuon_fsdp.exchange``), in the order a step
     runs it: ``stage`` makes its NS inputs, ``to_owners`` carries them, ``assemble`` stacks what
-    arrived, ``batches`` orthogonalize (and ``rows`` run the row variants), ``collect`` fills the way back,
-    ``from_owners`` returns the results, ``updates`` and ``writes`` apply them."""
+    arrived, ``batches`` orthogonalize (and ``row_steps`` run the row variants), ``collect``
+    fills the way back, ``from_owners`` returns the results, ``updates`` and ``writes`` apply
+    them."""
 
     reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
     needs: tuple[int, ...]  # those of every parameter with a matrix in it, on any rank
@@ -154,7 +155,7 @@ class BucketProgram:
     to_owners: comm.Exchange | None
     assemble: Copies  # received pieces (and own ones, when staged) into the stacks
     batches: tuple[Batch, ...]
-    rows: tuple[RowStep, ...]  # row variants on the owned matrices of their groups, after NS
+    row_steps: tuple[RowStep, ...]  # row variants on the owned matrices of their groups, after NS
     collect: Copies  # results into the return buffer (and own ones into the way back's arena)
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
@@ -472,8 +473,8 @@ class StepRun:
                 for batch in bucket.batches:
                     batch.orthogonalize()
                     stats.ns_matrices += batch.stack.shape[0]
-                for rows in bucket.rows:
-                    rows.run()
+                for row_step in bucket.row_steps:
+                    row_step.run()
         with stats.phase("return"):
             if not discarded:
                 bucket.collect.run()

@@ -60,18 +60,18 @@ def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
     every = row_state_keys()
     for group in groups:
         keys = state_keys(group)
-        variant = row_variant(group) if group["use_muon"] else None
-        rows = variant.state_key if variant is not None else None
+        variant = row_variant(group)
+        row_key = variant.state_key if variant is not None else None
         for p in group["params"]:
             held = state.get(p, {})
             missing = [key for key in keys if key not in held]
-            if missing and missing != [rows]:
+            if missing and missing != [row_key]:
                 state[p] = initial_state(p, group)
                 continue
             for key in every - set(keys):  # another variant's row state goes
                 held.pop(key, None)
-            if rows is not None and (missing or held[rows].shape != row_shape(p, group["flatten"])):
-                held[rows] = row_state_like(p, group["flatten"])  # (``flatten`` changed)
+            if row_key is not None and (missing or held[row_key].shape != row_shape(p, group["flatten"])):
+                held[row_key] = row_state_like(p, group["flatten"])  # (``flatten`` changed)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:

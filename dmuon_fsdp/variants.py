@@ -8,9 +8,11 @@ new state and one *row factor* per row that scales the row's update. That is all
 program knows of a variant: the holders send their rows' state with their pieces and get the
 new state and the factors back with the results (``exchange.PerRow``), the owner runs the
 variant's ``RowStep`` after the bucket's Newton-Schulz, and the factors scale the update
-(``program.Updates``). A variant adds its options to every Muon group (``options``, part of the
-program's key) and names its state entry (``state_key``); a variant's settings become part of
-each matrix's NS form, so matrices are batched apart from those with other settings.
+(``program.Updates``). A variant's options must be in every Muon group (``DMuonFSDP``'s
+arguments and defaults): each is checked in every Muon group, whatever its variant, and is part
+of the step key (``checks.structural_options``); its settings become part of each matrix's NS
+form, so matrices are batched apart from those with other settings. Its state entry
+(``state_key``) must not be one of Muon's or AdamW's.
 Non-goals: element-wise or column state, variants that change the Newton-Schulz iteration.
 NorMuon (``dmuon_fsdp.normuon``) is one; plain Muon is none (``VARIANTS["muon"]`` is None).
 """
@@ -34,20 +36,29 @@ from dmuon_fsdp.normuon import NORMUON
 @dataclass(frozen=True)
 class RowBatch:
     """Owned matrices of one Newton-Schulz batch whose group has a row variant: the batch's
-    (B, s, l) stack after NS (wide matrices first as they are, then tall ones transposed), each
-    matrix's (rows, cols) in stack order, and the variant's settings for their group."""
+    (B, s, l) stack, holding after NS the orthogonalized matrices (wide ones, rows <= cols, first
+    as they are, then tall ones transposed), each matrix's (rows, cols) in the parameter's
+    orientation, in stack order, and the variant's settings for their group."""
 
     stack: Tensor
     shapes: dict[int, tuple[int, int]]
-    settings: tuple[float, ...]
+    settings: tuple[Any, ...]
+
+    def matrices(self) -> list[Tensor]:
+        """Each matrix as a (rows, cols) view of the stack, in stack order."""
+        return [
+            self.stack[b].mT if rows > cols else self.stack[b]
+            for b, (rows, cols) in enumerate(self.shapes.values())
+        ]
 
 
 class RowStep(Protocol):
-    """A row variant bound to one bucket's owned matrices. ``state`` and ``factors``: one float32
-    view of ``rows`` numbers per matrix, in the order of the batches it was bound to and their
-    ``shapes``; the program fills ``state`` with the rows' state before ``run`` and reads the
-    new state from it, and the factors from ``factors``, after. ``run`` writes only into its own
-    views (the program writes the new state into the optimizer's after the step's verdict)."""
+    """A row variant bound to one bucket's owned matrices. ``state`` and ``factors``: per matrix,
+    a contiguous 1-D float32 view with one number per row, in the order of the batches it was
+    bound to and their ``shapes``; the program fills ``state`` with the rows' state before
+    ``run`` and reads the new state from it, and the factors from ``factors``, after. ``run``
+    writes every factor (buffers are reused step after step) and only into its own views (the
+    program writes the new state into the optimizer's after the step's verdict)."""
 
     @property
     def state(self) -> list[Tensor]: ...
@@ -59,7 +70,8 @@ class RowStep(Protocol):
 
 
 class RowVariant(Protocol):
-    """What the program asks of a row variant (see [Note: row variants])."""
+    """What the program asks of a row variant (see [Note: row variants]); a hashable record (it
+    is part of each matrix's NS form)."""
 
     @property
     def name(self) -> str: ...  # the ``variant`` option's value
@@ -74,15 +86,17 @@ class RowVariant(Protocol):
         """Raise ``ValueError`` naming the option when one of ``options`` is out of range."""
         ...
 
-    def settings(self, group: dict[str, Any]) -> tuple[float, ...]:
-        """What its math reads from a group's options."""
+    def settings(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        """What its math reads from a group's options (hashable values)."""
         ...
 
     def bind(
         self, batches: Sequence[RowBatch], ns_dtype: torch.dtype, take: Callable[[int, torch.dtype], Tensor]
     ) -> RowStep | None:
-        """Its step on ``batches``, with buffers from ``take(numel, dtype)``; None when there are
-        none."""
+        """Its step on ``batches``, with buffers from ``take(numel, dtype)``, or None when they
+        hold no rows. It only makes views: it writes nothing (an exchange of the buffers' last use
+        may be in flight) and reads nothing (when the program is only measured, ``take`` and
+        the stacks give meta tensors)."""
         ...
 
 
@@ -95,8 +109,8 @@ def row_state_keys() -> frozenset[str]:
 
 
 def row_variant(group: dict[str, Any]) -> RowVariant | None:
-    """The row variant of a Muon group, or None for plain Muon."""
-    return VARIANTS[group["variant"]]
+    """The row variant of a param group, or None for plain Muon and AdamW groups."""
+    return VARIANTS[group["variant"]] if group["use_muon"] else None
 
 
 def row_dims(param: Tensor, flatten: bool) -> int:

@@ -54,7 +54,7 @@ def load_run(run_dir: Path, root: Path) -> dict:
         "name": run_dir.relative_to(root).as_posix() if run_dir != root else root.resolve().name,
         "preset": config["args"]["preset"],
         "optimizer": config["args"]["optimizer"]
-        + ("-normuon" if config["args"].get("variant") == "normuon" else ""),
+        + (f"-{variant}" if (variant := config["args"].get("variant")) not in (None, "muon") else ""),
         "qk_clip": config["args"].get("qk_clip"),
         "world_size": config["world_size"],
         "data": config["data"],

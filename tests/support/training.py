@@ -81,8 +81,8 @@ class Reference:
     """The float64 reference Muon on full matrices beside a DMuonFSDP run: its Muon parameters
     (``params``, by name), each matrix as its group says, with the group's options; a row
     variant's state kept per matrix for its groups: NorMuon's second moments, or for another
-    variant the state ``row_reference(O, state)`` updates in place and whose row factors it
-    returns. A parameter without a gradient in a step is
+    variant the state ``row_reference(O, state, group)`` updates in place and whose row factors
+    it returns. A parameter without a gradient in a step is
     left alone. ``counts`` sums what the run's steps did: matrices orthogonalized, all-to-alls,
     gathers, bytes sent and planned, the plan's matrices and this rank's, the most buckets. Full
     tensors are read outside ``opt.step()`` only."""
@@ -127,7 +127,7 @@ class Reference:
                 if group["variant"] in ("muon", "normuon"):
                     reference_muon_step(p, g, buf, **options, second_moment=state)
                 else:
-                    factors = partial(self.row_reference, state=state)
+                    factors = partial(self.row_reference, state=state, group=group)
                     reference_muon_step(p, g, buf, **options, row_factors=factors)
 
     def errors(self) -> dict[str, float]:

@@ -1,84 +1,51 @@
-"""The program cache: each step key's program planned, agreed on, bound to tensors, and kept.
+"""The program cache: each step key's program planned, agreed on, bound and kept.
 
 ``plan_program`` runs the pipeline for a ``StepKey``: layouts (every rank's piece of each Muon
 matrix) -> each matrix's Newton-Schulz form and cost -> plan (owners, buckets) -> agreement over
-the ranks (one ``all_reduce``, with a check on) -> this rank's schedule. ``bind`` then makes
-every view a step of it needs, into the shared pool: each bucket takes its buffers from its
-slot's arenas ([Note: slots] in ``dmuon_fsdp.exchange``): on the way to the owners, its exchange
-buffers in ``comm_dtype``, one (B, s, l) stack per batch of owned matrices in ``ns_dtype`` (tall
-ones transposed), a ``comm_dtype`` staging copy of own pieces when ``comm_dtype != ns_dtype``
-(so that replicas round results alike) and scratch copies of local shards; on the way back, its
-exchange buffers, a row variant's numbers and the own results a later bucket of the slot would overwrite
-before they are applied. What a parameter's matrices orthogonalize is written straight into its
-send-buffer segment or stack region when its shard is one piece sent whole, else made whole in
-scratch and spread. docs/design.md ("Memory") lists every buffer.
-
-``ProgramCache`` keeps the plans of the step keys seen lately and their bound programs, and
-decides which one a step runs: bound, bound anew, or planned.
+the ranks (one ``all_reduce``, with a check on) -> this rank's schedule; ``dmuon_fsdp.binding``
+then makes it into tensors. ``ProgramCache`` keeps the plans of the step keys seen lately and
+their bound programs, and decides which one a step runs: bound, bound anew, or planned.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
 
 from dmuon_fsdp import comm
+from dmuon_fsdp.binding import Settings, bind, wire_group
 from dmuon_fsdp.checks import (
     FLAG_ELEMENTS,
-    Flags,
     StepKey,
     agree_on_plan,
     agreed,
     key_agreement,
-    nonfinite_groups,
     raise_alike,
     stale_layouts,
 )
 from dmuon_fsdp.exchange import (
-    BACK,
     SLOTS,
-    TO,
-    WORK,
-    BucketSchedule,
     PerRow,
     Pool,
     RankSchedule,
-    Region,
-    Transfer,
-    Wired,
-    as_wire,
-    in_shape,
-    piece_of,
     rank_schedule,
-    rows_of,
-    staging,
-    wired,
 )
 from dmuon_fsdp.layouts import MatrixLayout, describe_params
-from dmuon_fsdp.newton_schulz import Workspace, ns_segments, resolve_coefficients, segments_flops
+from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
 from dmuon_fsdp.options import check_groups
 from dmuon_fsdp.param_groups import group_params, indexed
 from dmuon_fsdp.planner import Plan, build_plan
 from dmuon_fsdp.program import (
-    AdamWLists,
-    Batch,
-    BucketProgram,
-    Copies,
-    Entry,
-    MuonLists,
     NSForm,
-    NSInputs,
-    Stage,
     StepProgram,
-    Updates,
 )
-from dmuon_fsdp.state import adamw_kernel, adjusted_lr, lerp_math_dtype, local_shard, restore_state
-from dmuon_fsdp.variants import RowBatch, RowStep, RowVariant, row_variant
+from dmuon_fsdp.state import restore_state
+from dmuon_fsdp.variants import row_variant
 
 
 @dataclass(frozen=True)
@@ -322,387 +289,3 @@ def plan_program(
     carrier = min(SLOTS - 1, len(plan.buckets) - 1) if settings.in_backward else 0
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, flag_elements, max(carrier, 0), per_row)
     return Planned(plan, tuple(forms), schedule)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a program is built with besides the parameters, resolved by the optimizer."""
-
-    site: comm.ExchangeSite
-    device: torch.device
-    ns_dtype: torch.dtype
-    comm_dtype: torch.dtype
-    bucket_bytes: int
-    check_grads: bool
-    nonfinite: str
-    in_backward: bool  # steps start in backward (``dmuon_fsdp.backward``): its plan, groups, carrier
-
-
-def wire_group(settings: Settings) -> comm.ExchangeGroup:
-    """The group the exchanges run on."""
-    return settings.site.backward if settings.in_backward else settings.site.group
-
-
-def bind(
-    plan: Plan,
-    forms: Sequence[NSForm],
-    schedule: RankSchedule,
-    key: StepKey,
-    groups: list[dict[str, Any]],
-    state: Any,
-    settings: Settings,
-    pool: Pool,
-) -> StepProgram:
-    """Make every view a step of ``plan`` needs on this rank, into ``pool`` (grown first when it
-    is too small; ``forms``: each matrix's NS form, as ``plan_program`` worked it out)."""
-    entries = [
-        Entry(i, g, p)
-        for i, ((g, p), has) in enumerate(zip(indexed(groups), key.has_grad, strict=True))
-        if has
-    ]
-    binder = _Binder(plan, forms, schedule, entries, groups, state, settings, pool)
-    if not pool.fits(binder.needed):  # measured only: bind again into arenas of the sizes asked
-        pool.grow(binder.needed)
-        binder = _Binder(plan, forms, schedule, entries, groups, state, settings, pool)
-    buckets = binder.buckets
-    wire = schedule.buckets[schedule.carrier].to_owners
-    carrier = buckets[schedule.carrier].to_owners  # bound to ``wire``: None when it is
-    flags = Flags.bind(carrier) if carrier is not None and wire is not None and wire.flag_elements else None
-    size = settings.comm_dtype.itemsize
-    counts = {
-        "ns_flops": sum(plan.costs[j] for bucket in schedule.buckets for j in bucket.owned),
-        "bytes_sent": schedule.elements(sent=True) * size,
-        "bytes_received": schedule.elements(sent=False) * size,
-        "flag_bytes": flags.send.numel() * size if flags is not None else 0,
-        "collectives": sum(e is not None for b in buckets for e in (b.to_owners, b.from_owners)),
-    }
-    return StepProgram(
-        key=key,
-        plan=plan,
-        entries=binder.entries,
-        storage=tuple(t.data_ptr() for t in binder.locals),
-        state_slots=tuple((e.param, k, value) for e in binder.entries for k, value in state[e.param].items()),
-        grad_shapes=[t.shape for t in binder.locals],
-        grad_dtypes=[t.dtype for t in binder.locals],
-        device=settings.device,
-        checked=nonfinite_groups(binder.locals),
-        muon=binder.muon_lists(state),
-        adamw=binder.adamw(state),
-        buckets=buckets,
-        flags=flags,
-        carrier=schedule.carrier,
-        in_backward=settings.in_backward,
-        counts=counts,
-        generation=pool.generation,
-    )
-
-
-class _Binder:
-    """Binds one program into a pool; holds what every part of the binding refers to.
-    ``needed``: the bytes each arena had to hold (more than it has: the views are meta tensors,
-    and the program is bound again into a grown pool)."""
-
-    def __init__(
-        self,
-        plan: Plan,
-        forms: Sequence[NSForm],
-        schedule: RankSchedule,
-        entries: list[Entry],
-        groups: list[dict[str, Any]],
-        state: Any,
-        settings: Settings,
-        pool: Pool,
-    ):
-        self.plan, self.forms, self.groups, self.settings = plan, forms, groups, settings
-        self.schedule, self.state, self.pool = schedule, state, pool
-        self.entries = tuple(entries)
-        self.locals = [local_shard(e.param) for e in self.entries]
-        self.muon = [i for i, e in enumerate(self.entries) if groups[e.group]["use_muon"]]
-        self.staged = settings.comm_dtype != settings.ns_dtype
-        # How many pieces of each parameter this rank orthogonalizes, over all buckets: a
-        # parameter with one, its whole shard, has its NS input written straight in place.
-        self.pieces: dict[int, int] = defaultdict(int)
-        for bucket in schedule.buckets:
-            sent = bucket.to_owners.send if bucket.to_owners else ()
-            for t in [t for segment in sent for t in segment] + list(bucket.own_pieces):
-                self.pieces[self.entry_of(t.matrix)] += 1
-        self.needed: dict[tuple[str, int], int] = defaultdict(int)
-        work = pool.regions()[WORK, 0]
-        # One NS workspace for every batch of every bucket: they are orthogonalized one at a time.
-        sizes = [
-            Workspace.sizes((len(batch), s, l), form.segments)
-            for bucket in schedule.buckets
-            for (s, l, form), batch in self.members(bucket.owned).items()
-        ]
-        self.workspace = (
-            (
-                work.take(max(y for y, _ in sizes), settings.ns_dtype),
-                work.take(max(squares for _, squares in sizes), settings.ns_dtype),
-            )
-            if sizes
-            else None
-        )
-        self.needed[WORK, 0] = work.used
-        self.buckets = tuple(self.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
-
-    def plan_bucket(self, k: int) -> tuple[int, ...]:
-        """The matrices of schedule bucket ``k`` (none in the one bucket of a plan without any)."""
-        return self.plan.buckets[k].matrices if k < len(self.plan.buckets) else ()
-
-    def entry_of(self, j: int) -> int:
-        return self.muon[self.plan.param_of[j]]
-
-    def update_class(self, j: int) -> tuple[int, float]:
-        group = self.entries[self.entry_of(j)].group
-        m = self.plan.matrices[j]
-        return group, adjusted_lr(1.0, self.groups[group]["adjust_lr_fn"], m.rows, m.cols)
-
-    def members(self, owned: Sequence[int]) -> dict[tuple[int, int, NSForm], list[int]]:
-        """Owned matrices by (short side, long side, NS form): the batches of one bucket, wide
-        matrices first."""
-        members: dict[tuple[int, int, NSForm], list[int]] = defaultdict(list)
-        for j in sorted(owned, key=lambda j: self.tall(j)):
-            m = self.plan.matrices[j]
-            members[(min(m.rows, m.cols), max(m.rows, m.cols), self.forms[j])].append(j)
-        return members
-
-    def tall(self, j: int) -> bool:
-        return self.plan.matrices[j].rows > self.plan.matrices[j].cols
-
-    def batches(
-        self, owned: Sequence[int], to: Region, back: Region
-    ) -> tuple[tuple[Batch, ...], dict[int, Tensor], tuple[RowStep, ...], dict[int, tuple[Tensor, Tensor]]]:
-        """Each batch of owned matrices as a (B, s, l) stack from ``to``, each matrix's (rows,
-        cols) view into its stack (a transposed view for tall matrices), and the row variants'
-        steps on the batches of their groups, with each matrix's row state and row factors (from
-        ``back``; see [Note: row variants] in ``dmuon_fsdp.variants``)."""
-        batches, matrix_views = [], {}
-        row_batches: dict[RowVariant, list[RowBatch]] = defaultdict(list)
-        for (s, l, form), members in self.members(owned).items():
-            stack = to.take(len(members) * s * l, self.settings.ns_dtype).view(len(members), s, l)
-            work = Workspace.for_stack(stack, form.segments, self.workspace)
-            batches.append(Batch(stack, form.coefficients, form.eps, form.segments, work))
-            for b, j in enumerate(members):
-                matrix_views[j] = stack[b].mT if self.tall(j) else stack[b]
-            if form.variant is not None:
-                shapes = {j: (self.plan.matrices[j].rows, self.plan.matrices[j].cols) for j in members}
-                row_batches[form.variant].append(RowBatch(stack, shapes, form.settings))
-        steps: list[RowStep] = []
-        owned_rows: dict[int, tuple[Tensor, Tensor]] = {}
-        for variant, bound in row_batches.items():
-            step = variant.bind(bound, self.settings.ns_dtype, back.take)
-            if step is not None:
-                steps.append(step)
-                matrices = [j for batch in bound for j in batch.shapes]
-                owned_rows.update(zip(matrices, zip(step.state, step.factors, strict=True), strict=True))
-        return tuple(batches), matrix_views, tuple(steps), owned_rows
-
-    def row_state(self, t: Transfer) -> Tensor:
-        """This rank's row state of ``t``'s rows (its group's row variant's)."""
-        variant = self.forms[t.matrix].variant
-        assert variant is not None  # asked of transfers that carry per-row numbers
-        param = self.entries[self.entry_of(t.matrix)].param
-        return rows_of(local_shard(self.state[param][variant.state_key]), t.piece)
-
-    def bucket(self, k: int, bucket: BucketSchedule) -> BucketProgram:
-        """Bucket ``k``'s views in its slot (see ``dmuon_fsdp.exchange``)."""
-        regions = self.pool.regions()
-        to, back = regions[TO, k % SLOTS], regions[BACK, k % SLOTS]
-        batches, matrix, row_steps, owned_rows = self.batches(bucket.owned, to, back)
-        group = wire_group(self.settings).process_group
-        comm_dtype, ns_dtype = self.settings.comm_dtype, self.settings.ns_dtype
-
-        def region(t: Transfer) -> Tensor:
-            p = t.piece
-            return matrix[t.matrix][p.row : p.row + p.rows, p.col : p.col + p.cols]
-
-        def kept(transfers: Sequence[Transfer], dtype: torch.dtype, region: Region) -> list[Tensor]:
-            """A copy of each own piece, without per-row numbers, in ``dtype`` from ``region``."""
-            return [s.piece for s in staging([replace(t, per_row=0) for t in transfers], dtype, region)]
-
-        # The way to the owners: NS inputs (``feeds``) into the send buffer and own stacks.
-        to_owners = wired(bucket.to_owners, comm_dtype, to, group)
-        feeds = [(slot.piece, slot.transfer) for slot in to_owners.sent]
-        spread, assemble = Copies([], []), Copies([], [])
-        for slot in to_owners.received:
-            assemble.add(region(slot.transfer), slot.piece)
-        own = list(bucket.own_pieces)
-        if self.staged:
-            for t, piece in zip(own, kept(own, comm_dtype, to), strict=True):
-                feeds.append((piece, t))
-                assemble.add(region(t), piece)
-        else:
-            feeds += [(region(t), t) for t in own]
-        stage = self.stage(feeds, spread, to)
-        reads = tuple(sorted({self.entry_of(t.matrix) for _, t in feeds}))
-        needs = tuple(sorted({self.entry_of(j) for j in self.plan_bucket(k)}))
-
-        # The way back: results into the return buffer; own ones stay in the stack unless a
-        # later bucket of this slot would overwrite it before they are applied.
-        from_owners = wired(bucket.from_owners, comm_dtype, back, group)
-        collect = Copies([], [])
-        for slot in from_owners.sent:
-            collect.add(slot.piece, region(slot.transfer))
-        returned = [(slot.transfer, slot.piece) for slot in from_owners.received]
-        results = list(bucket.own_results)
-        if self.staged or k + SLOTS < len(self.schedule.buckets):
-            # through the wire's dtype (replicas round results alike), or kept from being overwritten
-            copies = kept(results, comm_dtype if self.staged else ns_dtype, back)
-            for t, piece in zip(results, copies, strict=True):
-                collect.add(piece, region(t))
-        else:
-            copies = [region(t) for t in results]
-        returned += zip(results, copies, strict=True)
-
-        writes = Copies([], [])  # a row variant's new state into the holders' state, its factors out
-        factors = self.carry_rows(
-            bucket, to_owners, from_owners, owned_rows, back, spread, assemble, collect, writes
-        )
-        updates: dict[tuple[int, float], Updates] = {}
-        for t, direction in returned:
-            cls = self.update_class(t.matrix)
-            row_factors = factors.get(t)
-            u = updates.setdefault(cls, Updates(*cls, [], [], [] if row_factors is not None else None))
-            u.params.append(piece_of(self.locals[self.entry_of(t.matrix)], t.piece))
-            u.directions.append(direction)
-            if row_factors is not None:
-                assert u.factors is not None  # a group's matrices all have its row variant, or none
-                u.factors.append(row_factors.view(-1, 1))
-        for name, r in ((TO, to), (BACK, back)):
-            self.needed[name, k % SLOTS] = max(self.needed[name, k % SLOTS], r.used)
-        return BucketProgram(
-            reads,
-            needs,
-            stage,
-            to_owners.exchange,
-            assemble,
-            batches,
-            row_steps,
-            collect,
-            from_owners.exchange,
-            tuple(updates.values()),
-            writes,
-        )
-
-    def carry_rows(
-        self,
-        bucket: BucketSchedule,
-        to_owners: Wired,
-        from_owners: Wired,
-        owned_rows: dict[int, tuple[Tensor, Tensor]],
-        back: Region,
-        spread: Copies,
-        assemble: Copies,
-        collect: Copies,
-        writes: Copies,
-    ) -> dict[Transfer, Tensor]:
-        """A row variant's numbers around one bucket's exchanges ([Note: row variants] in
-        ``dmuon_fsdp.variants``; ``owned_rows[j]``: the owner's row state and row factors of matrix j):
-        the holders' row state into the send buffer (``spread``) and from the receive buffer or
-        own rows into the owner's (``assemble``); the owner's new state and factors into the
-        return buffer (``collect``), and from it (or the owner's, for own results) into the
-        holders' state and a factor buffer from ``back`` (``writes``). Returns the row factors
-        of each transfer returned to this rank (each returns one matrix's piece, so they are
-        distinct: ``exchange.check``). Float32 everywhere but on the wire, which
-        carries their bits (``as_wire``)."""
-        comm_dtype = self.settings.comm_dtype
-
-        def owner_rows(t: Transfer) -> tuple[Tensor, Tensor]:
-            v, f = owned_rows[t.matrix]
-            return v[t.piece.row : t.piece.row + t.piece.rows], f[t.piece.row : t.piece.row + t.piece.rows]
-
-        for slot in to_owners.sent:
-            if slot.per_row is not None:
-                spread.add(slot.per_row, as_wire(self.row_state(slot.transfer), comm_dtype))
-        for slot in to_owners.received:
-            if slot.per_row is not None:
-                assemble.add(as_wire(owner_rows(slot.transfer)[0], comm_dtype), slot.per_row)
-        for t in bucket.own_pieces:
-            if t.per_row:
-                assemble.add(owner_rows(t)[0], self.row_state(t))
-        for slot in from_owners.sent:
-            if slot.per_row is not None:
-                v, f = owner_rows(slot.transfer)
-                collect.add(slot.row_state, as_wire(v, comm_dtype))
-                collect.add(slot.row_factors, as_wire(f, comm_dtype))
-        factors: dict[Transfer, Tensor] = {}
-        arriving = [slot for slot in from_owners.received if slot.per_row is not None]
-        flat = back.take(sum(slot.transfer.piece.rows for slot in arriving), torch.float32)
-        offset = 0
-        for slot in arriving:
-            t = slot.transfer
-            factors[t] = flat[offset : offset + t.piece.rows]
-            writes.add(as_wire(self.row_state(t), comm_dtype), slot.row_state)
-            writes.add(as_wire(factors[t], comm_dtype), slot.row_factors)
-            offset += t.piece.rows
-        for t in bucket.own_results:
-            if t.per_row:
-                v, factors[t] = owner_rows(t)
-                writes.add(self.row_state(t), v)
-        return factors
-
-    def stage(self, feeds: list[tuple[Tensor, Transfer]], spread: Copies, to: Region) -> Stage:
-        """Where one bucket's NS inputs are written (``feeds``: destination and piece): per Muon
-        group, straight into the destination when it is the parameter's one piece and its whole
-        shard, else through a scratch copy of the local shard (from ``to``) that ``spread``
-        copies into place (a parameter with pieces in several buckets is made whole in each)."""
-        by_entry: dict[int, list[tuple[Tensor, Transfer]]] = defaultdict(list)
-        for view, t in feeds:
-            by_entry[self.entry_of(t.matrix)].append((view, t))
-        inputs: list[NSInputs] = []
-        for group, members in self._by_group(muon=True).items():
-            straight, through = [], []
-            for i in members:
-                if i not in by_entry:
-                    continue  # nothing of it in this bucket (or another replica sends it)
-                local = self.locals[i]
-                view = by_entry[i][0][0]
-                direct = in_shape(view, local) if self.pieces[i] == 1 else None
-                if direct is not None:  # the one piece is the whole shard
-                    straight.append((i, direct))
-                    continue
-                scratch = to.take(local.numel(), local.dtype).view(local.shape)
-                through.append((i, scratch))
-                spread.dst.extend(view for view, _ in by_entry[i])
-                spread.src.extend(piece_of(scratch, t.piece) for _, t in by_entry[i])
-            buffers = {i: local_shard(self.state[self.entries[i].param]["momentum_buffer"]) for i in members}
-            inputs.extend(
-                NSInputs(
-                    group,
-                    tuple(i for i, _ in chosen),
-                    [buffers[i] for i, _ in chosen],
-                    [d for _, d in chosen],
-                    all(d.dtype == buffers[i].dtype for i, d in chosen),
-                    lerp_math_dtype(buffers[i].dtype for i, _ in chosen),
-                )
-                for chosen in (straight, through)
-                if chosen
-            )
-        return Stage(tuple(inputs), spread)
-
-    def muon_lists(self, state: Any) -> tuple[MuonLists, ...]:
-        lists = []
-        for group, members in self._by_group(muon=True).items():
-            params = [self.locals[i] for i in members]
-            buffers = [local_shard(state[self.entries[i].param]["momentum_buffer"]) for i in members]
-            lists.append(MuonLists(group, tuple(members), params, buffers))
-        return tuple(lists)
-
-    def adamw(self, state: Any) -> tuple[AdamWLists, ...]:
-        lists = []
-        for group, members in self._by_group(muon=False).items():
-            params = [self.locals[i] for i in members]
-            states = [state[self.entries[i].param] for i in members]
-            exp_avgs, exp_avg_sqs = ([local_shard(st[k]) for st in states] for k in ("exp_avg", "exp_avg_sq"))
-            steps = [st["step"] for st in states]
-            kernel = adamw_kernel(params)
-            lists.append(AdamWLists(group, tuple(members), params, exp_avgs, exp_avg_sqs, steps, kernel))
-        return tuple(lists)
-
-    def _by_group(self, muon: bool) -> dict[int, list[int]]:
-        """Entry indices (= positions in the step's gradient list) by param group."""
-        out: dict[int, list[int]] = defaultdict(list)
-        for i, e in enumerate(self.entries):
-            if self.groups[e.group]["use_muon"] == muon:
-                out[e.group].append(i)
-        return out

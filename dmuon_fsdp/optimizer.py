@@ -14,7 +14,8 @@ from torch.optim import Optimizer
 
 from dmuon_fsdp import comm
 from dmuon_fsdp.backward import BackwardStart
-from dmuon_fsdp.cache import ProgramCache, Settings
+from dmuon_fsdp.binding import Settings
+from dmuon_fsdp.cache import ProgramCache
 from dmuon_fsdp.checks import StepKey, Verdict
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
 from dmuon_fsdp.options import (

@@ -2,7 +2,7 @@
 
 A ``StepProgram`` holds everything a step of one plan needs on this rank, as parts that each
 know their own few foreach ops (``Copies``, ``Batch``, ``Updates``, ``Stage``, one
-``BucketProgram`` per bucket); ``dmuon_fsdp.cache`` binds it once per plan into the shared
+``BucketProgram`` per bucket); ``dmuon_fsdp.binding`` binds it once per plan into the shared
 buffers (``dmuon_fsdp.exchange``). ``StepRun`` executes a step with it, top to bottom, in these
 phases (the names ``StepStats`` and a profiler trace use):
 

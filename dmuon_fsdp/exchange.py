@@ -300,7 +300,7 @@ class Slot:
     """Where a transfer sits in a buffer: its piece (rows, cols) and its per-row numbers (None
     when none travel, see ``PerRow``): to the owner, the rows' state; back, the new state
     (``row_state``) and then the rows' factors (``row_factors``), as the wire holds float32
-    numbers (``as_wire``)."""
+    numbers (``as_wire``: on a 16-bit wire, their bits as ``int16``)."""
 
     transfer: Transfer
     piece: Tensor
@@ -318,9 +318,14 @@ class Slot:
 
 
 def as_wire(numbers: Tensor, dtype: torch.dtype) -> Tensor:
-    """Float32 ``numbers`` as a wire of ``dtype`` carries them exactly: their bits, two 16-bit
-    elements each, on a 16-bit wire; else themselves (a copy converts them, exactly)."""
-    return numbers.view(dtype) if dtype.itemsize == 2 else numbers
+    """Per-row numbers as a wire of ``dtype`` carries them exactly: float32 numbers themselves
+    (a copy into a 32- or 64-bit wire converts them, exactly), or on a 16-bit wire their bits,
+    as ``int16``: float32 numbers two elements each, and the wire's own elements (float16 or
+    bfloat16) seen as ``int16`` too, so that every copy between them moves bits. A copy between
+    16-bit float views need not: CUDA's foreach copy converts each element to float and back,
+    which turns every NaN bit pattern (a float32's lower half spells one now and then) into the
+    canonical NaN."""
+    return numbers.view(torch.int16) if dtype.itemsize == 2 else numbers
 
 
 @dataclass(frozen=True)
@@ -352,7 +357,8 @@ def slots(buffer: Tensor, segments: Sequence[Sequence[Transfer]], flag_elements:
         for t in segment:
             p = t.piece
             piece = buffer[offset : offset + p.numel].view(p.rows, p.cols)
-            extra = buffer[offset + p.numel : offset + t.numel] if t.per_row else None
+            numbers = buffer[offset + p.numel : offset + t.numel]
+            extra = as_wire(numbers, buffer.dtype) if t.per_row else None
             out[-1].append(Slot(t, piece, extra))
             offset += t.numel
     if offset != buffer.numel():

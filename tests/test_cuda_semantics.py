@@ -1,0 +1,69 @@
+"""What CPU + gloo would hide from the suite, emulated on CPU (``tests.support.cuda``): a copy
+that converts 16-bit elements through float (CUDA's foreach copy) must not change NorMuon's
+numbers, which travel as float32 bits on a 16-bit wire."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon_fsdp import DMuonFSDP
+from tests.support.cuda import CudaForeachCopy
+from tests.support.layout_runs import SHAPES, Weights
+from tests.support.paired_runs import snapshot
+from tests.support.spawn import cpu_mesh, run_ranks
+from tests.support.training import train
+
+STEPS = 6
+WIRES = (torch.bfloat16, torch.float16)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of its width: equal only if every bit is."""
+    return t.contiguous().view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def normuon_copies(rank, world_size, layout):
+    """Per wire dtype: the names of the parameters and state tensors whose bits differ between a
+    run with CPU's copies and one with CUDA's, how many row-state numbers differ, of how many."""
+    mesh = (
+        cpu_mesh()
+        if layout == "fsdp"
+        else init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    )
+    out = {}
+    for wire in WIRES:
+        runs = []
+        for emulated in (False, True):
+            model = Weights(SHAPES)
+            fully_shard(model, mesh=mesh)
+            opt = DMuonFSDP(
+                model.named_parameters(),
+                lr=0.05,
+                variant="normuon",
+                ns_dtype=torch.float32,
+                comm_dtype=wire,
+                bucket_bytes=256,
+            )
+            if emulated:
+                with CudaForeachCopy():
+                    train([(model, opt)], STEPS, loss=model)
+            else:
+                train([(model, opt)], STEPS, loss=model)
+            runs.append(snapshot(model, opt))
+        plain, cuda = runs
+        differing = [n for n in plain if not torch.equal(bits(plain[n]), bits(cuda[n]))]
+        moments = [n for n in plain if n.endswith("neuron_second_moment")]
+        changed = sum(int((bits(plain[n]) != bits(cuda[n])).sum()) for n in moments)
+        out[str(wire)] = differing, changed, sum(plain[n].numel() for n in moments)
+    return out
+
+
+@pytest.mark.parametrize("layout,world_size", [("fsdp", 4), ("hsdp", 4)])
+def test_normuon_numbers_travel_as_bits_under_cuda_copies(layout, world_size):
+    for result in run_ranks(normuon_copies, world_size, layout):
+        for wire, (differing, changed, compared) in result.items():
+            assert compared > 0
+            assert differing == [], f"{wire} wire: {changed} of {compared} row-state numbers differ: {differing}"

@@ -66,4 +66,5 @@ def test_normuon_numbers_travel_as_bits_under_cuda_copies(layout, world_size):
     for result in run_ranks(normuon_copies, world_size, layout):
         for wire, (differing, changed, compared) in result.items():
             assert compared > 0
-            assert differing == [], f"{wire} wire: {changed} of {compared} row-state numbers differ: {differing}"
+            message = f"{wire} wire: {changed} of {compared} row-state numbers differ"
+            assert differing == [], f"{message}: {differing}"

@@ -16,10 +16,14 @@ bucket of the loop after them: its exchange carries the flags, made from the fin
 ``carrier`` in ``dmuon_fsdp.exchange``): they hold the slots of ``dmuon_fsdp.exchange``, which the
 later buckets take over at ``step`` once those are through. ``run`` (at ``step``) runs the same
 bucket loop as a plain step (``dmuon_fsdp.program``, [Note: the bucket loop]), which finds them
-launched. The exchanges run on a process group of their own (``comm.backward_group``) in the
-same order on every rank, whenever a rank's hooks or its ``step`` launch them, and never among
-FSDP2's collectives. Newton-Schulz stays at ``step``, where every rank runs its share of all
-buckets at once: docs/design.md ("Steps begun in backward") gives the measurements behind that.
+launched. The exchanges run in the same order on every rank, whenever a rank's hooks or its
+``step`` launch them, on a process group of their own over the whole job, never among FSDP2's
+collectives; over part of the job (a pipeline stage) on the stage mesh's own group, where a
+hook launches each at the same point of FSDP2's sequence of collectives on every rank (FSDP2
+calls the hooks right after issuing the reduction that made the gradient):
+``comm.backward_group``, [Note: groups] in ``dmuon_fsdp.comm``. Newton-Schulz stays at
+``step``, where every rank runs its share of all buckets at once: docs/design.md ("Steps begun
+in backward") gives the measurements behind that.
 
 Gradients that changed after their bucket started (``clip_grad_norm_``, ``GradScaler.unscale_``,
 a second backward accumulating into them) are seen at ``step`` from a hook firing again, the

@@ -278,8 +278,7 @@ def plan_program(
         _raise_alike(groups, state, names, settings, shared)
     # Options set in param_groups since construction, checked once every rank agreed on them
     check_groups(groups)
-    # Made after the agreement: steps begun in backward have a group of their own.
-    exchange = wire_group(settings)
+    exchange = wire_group(settings)  # after the agreement: every rank asks for the group alike
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flag_elements = FLAG_ELEMENTS if key.checked or settings.in_backward else 0
     rowed = frozenset(j for j, form in enumerate(forms) if form.variant is not None)

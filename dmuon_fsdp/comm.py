@@ -116,32 +116,76 @@ class ExchangeGroup:
     peers: tuple[int, ...]
 
 
-_SUBSET_GROUPS: dict[tuple[Any, ...], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[Any, ...], dist.ProcessGroup] = {}
 
 
 def exchange_group(ranks: Sequence[int], meshes: Sequence[DeviceMesh] = ()) -> ExchangeGroup:
-    """The group over ``ranks`` (global ranks in plan order): the default group when they are
-    the whole job (or no group in a single process), the group of a 1-D mesh among ``meshes``
-    over exactly them, else one created by those ranks alone (hashed name, no job-wide
-    counter), so that ranks exchanging elsewhere need not join."""
+    """The group over ``ranks`` (global ranks in plan order), made by no one when it can be
+    found (see [Note: groups]): the default group when they are the whole job (or no group in
+    a single process), else the group of a dim of one of ``meshes``, or of a mesh flattened
+    from their root, over exactly them; else one made by those ranks alone, which only a job
+    whose communicators are made lazily allows (an error names the way out otherwise)."""
     ranks = list(ranks)
     if ranks == list(range(default_world_size())):
         if len(ranks) == 1:
             return ExchangeGroup(None, 0, (0,))
         group = dist.group.WORLD
         assert group is not None  # a job of more than one rank has initialized torch.distributed
-    else:
-        groups = [m.get_group(0) for m in meshes if m.ndim == 1 and sorted(m.mesh.tolist()) == ranks]
-        group = groups[0] if groups else _new_group(ranks, "subset")
-    return _numbered(group, ranks)
+        return _numbered(group, ranks)
+    found = _mesh_group(ranks, meshes)
+    if found is None:
+        if _splits_the_default_group():
+            raise ValueError(
+                f"the Muon parameters' matrices move between global ranks {sorted(ranks)}, part of the "
+                f"job's {default_world_size()}, and no dim of their meshes spans exactly those ranks; with a "
+                "device bound to the default process group (init_process_group(device_id=...)) a group over "
+                "part of the job must be made by every rank of the job, which the optimizer cannot ask of "
+                "the others: flatten the dims that span them on every rank before building the optimizer "
+                "(e.g. world_mesh['dp_replicate', 'dp_shard', 'tp']._flatten('dmuon'), as torchtitan "
+                "flattens its 'dp' mesh), or initialize the process group without device_id"
+            )
+        found = _made_group(ranks, "subset", members_only=True)
+    return _numbered(found, ranks)
 
 
-def _new_group(ranks: list[int], purpose: str) -> dist.ProcessGroup:
-    """A group over ``ranks`` made by those ranks alone, once per job and ``purpose``."""
+def _mesh_group(ranks: list[int], meshes: Sequence[DeviceMesh]) -> dist.ProcessGroup | None:
+    """The group of a dim of one of ``meshes`` (or of a mesh flattened from their root mesh)
+    whose ranks are exactly ``ranks``, if any."""
+    candidates = list(meshes)
+    for mesh in meshes:
+        root = mesh._get_root_mesh()
+        candidates += [root, *getattr(root, "_flatten_mapping", {}).values()]
+    for mesh in candidates:
+        if mesh.get_coordinate() is None:  # this rank is in none of its groups
+            continue
+        for dim in range(mesh.ndim):
+            group = mesh.get_group(dim)
+            if sorted(dist.get_process_group_ranks(group)) == sorted(ranks):
+                return group
+    return None
+
+
+def _splits_the_default_group() -> bool:
+    """Whether torch makes a new group by splitting the default group's communicator, a
+    collective of every rank of the job: when a device is bound to it (eager initialization,
+    ``init_process_group(device_id=...)``) and its backend there can split (NCCL)."""
+    world = dist.group.WORLD
+    device = world.bound_device_id if world is not None else None
+    if world is None or device is None:
+        return False
+    try:
+        return bool(world._get_backend(device).supports_splitting)
+    except RuntimeError:  # no backend for the bound device
+        return False
+
+
+def _made_group(ranks: list[int], purpose: str, members_only: bool) -> dist.ProcessGroup:
+    """A group over ``ranks``, once per job and ``purpose``: made by those ranks alone
+    (``members_only``) or by every rank of the job in the same order."""
     key = (id(dist.group.WORLD), purpose, *sorted(ranks))  # a re-initialized job gets new groups
-    if key not in _SUBSET_GROUPS:
-        _SUBSET_GROUPS[key] = dist.new_group(sorted(ranks), use_local_synchronization=True)
-    return _SUBSET_GROUPS[key]
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(sorted(ranks), use_local_synchronization=members_only)
+    return _GROUPS[key]
 
 
 def _numbered(group: dist.ProcessGroup, ranks: list[int]) -> ExchangeGroup:
@@ -151,39 +195,46 @@ def _numbered(group: dist.ProcessGroup, ranks: list[int]) -> ExchangeGroup:
     return ExchangeGroup(group, index[dist.get_rank()], peers)
 
 
-def backward_group(ranks: Sequence[int]) -> ExchangeGroup:
-    """A group of its own over ``ranks``, for steps begun in backward: its exchanges, launched
-    from gradient hooks, are then never ordered among the model's own collectives (FSDP2's
-    reduce-scatters), and each rank sees them in plan order."""
-    if default_world_size() == 1:
-        return ExchangeGroup(None, 0, (0,))
-    return _numbered(_new_group(list(ranks), "backward"), list(ranks))
+def backward_group(ranks: Sequence[int], exchange: ExchangeGroup) -> ExchangeGroup:
+    """The group of steps begun in backward, whose exchanges gradient hooks launch (see
+    [Note: groups]): over the whole job a group of its own, made by every rank, so that those
+    exchanges are never queued among the model's own collectives (FSDP2's reduce-scatters);
+    over part of the job, ``exchange`` itself (the group of the ranks' mesh, as a rule). Every
+    rank must ask for it at the same point: after the ranks agreed on the plan that needs it."""
+    if exchange.process_group is None or list(ranks) != list(range(default_world_size())):
+        return exchange
+    return _numbered(_made_group(list(ranks), "backward", members_only=False), list(ranks))
 
 
 class ExchangeSite:
     """Where a step's exchanges and checks run: the global ``ranks`` the matrices move between,
-    in plan order (``layouts.exchange_ranks``), and their ``ExchangeGroup``, made on first use
-    (a group over part of the job is a collective of its ranks); ``meshes``: the Muon
-    parameters' meshes, whose own group may serve. ``rank`` is this rank's plan index, known
-    without communication."""
+    in plan order (``layouts.exchange_ranks``), and their ``ExchangeGroup`` (``group``), found
+    or made when the site is (at construction); ``backward``, the group of steps begun in
+    backward (``backward_group``), made at the first plan begun in backward, once every rank
+    agreed on it (a group every rank of the job makes). ``meshes``: the Muon parameters'
+    meshes, whose own groups may serve. ``rank`` is this rank's plan index.
+
+    [Note: groups] Under eager initialization (a device bound to the default group) torch makes
+    every new group by splitting the default communicator, a collective of every rank of the
+    job in the same order, members or not. So the optimizer makes a group only where every rank
+    of the job makes the same one at the same point (a group over the whole job, when every
+    rank agreed on the first plan that needs it), and otherwise takes a group the parameters'
+    meshes already have: DeviceMesh made those collectively when it was built. A group over
+    part of the job found on no mesh (HSDP or FSDP + TP inside a pipeline stage, unflattened)
+    is made by its members where communicators are made lazily, and is an error at
+    construction where they are not.
+    """
 
     def __init__(self, ranks: Sequence[int], meshes: Sequence[DeviceMesh] = ()) -> None:
         self.ranks = tuple(ranks)
         self.meshes = tuple(meshes)
-        self._group: ExchangeGroup | None = None
+        self.group = exchange_group(self.ranks, self.meshes)
         self._backward: ExchangeGroup | None = None
 
     @property
-    def group(self) -> ExchangeGroup:
-        if self._group is None:
-            self._group = exchange_group(self.ranks, self.meshes)
-        return self._group
-
-    @property
     def backward(self) -> ExchangeGroup:
-        """The group of steps begun in backward (``backward_group``), made on first use."""
         if self._backward is None:
-            self._backward = backward_group(self.ranks)
+            self._backward = backward_group(self.ranks, self.group)
         return self._backward
 
     @property
@@ -218,6 +269,23 @@ def all_rows(row: Tensor, group: dist.ProcessGroup) -> Tensor:
     table = torch.zeros(dist.get_world_size(group), row.numel(), dtype=row.dtype, device=row.device)
     table[dist.get_rank(group)] = row
     return _start(dist.all_reduce, (table,), group=group).wait()
+
+
+def check_backend(param: Tensor, name: str) -> None:
+    """Refuse a Muon parameter on a device its process groups have no backend for (CPU tensors
+    in a job of NCCL alone), when it is added: its exchanges would fail on every rank."""
+    if default_world_size() == 1:
+        return
+    group = param.device_mesh.get_group(0) if isinstance(param, DTensor) else dist.group.WORLD
+    config = str(dist.get_backend_config(group))
+    backends = {part.split(":")[0] for part in config.split(",") if ":" in part}
+    if backends and param.device.type not in backends:
+        kind = param.device.type
+        raise ValueError(
+            f"{name} is on {kind}, but the process group its Muon matrices move over has no backend for "
+            f"{kind} ({config}): keep the parameters on {' or '.join(sorted(backends))}, or initialize the "
+            "process group with a backend for each device (e.g. 'cpu:gloo,cuda:nccl')"
+        )
 
 
 def exchange_ranks(meshes: dict[Any, str]) -> tuple[int, ...]:

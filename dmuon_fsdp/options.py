@@ -280,6 +280,7 @@ def check_new_groups(
             if not new["use_muon"]:
                 continue
             describe_params([(p, name, merged)])  # raises for unsupported layouts
+            comm.check_backend(p, name)
             meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
     comm.exchange_ranks(meshes)
     return meshes

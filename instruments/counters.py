@@ -110,3 +110,27 @@ class CollectiveCalls(_Patches):
     def gathers(self) -> int:
         """Calls that gather or broadcast whole tensors (``GATHERS``, ``full_tensor``, ``redistribute``)."""
         return sum(n for name, n in self.calls.items() if name not in ("all_to_all_single", "all_reduce"))
+
+
+class GroupCalls(_Patches):
+    """Every process group made while active (``torch.distributed.new_group`` and
+    ``split_group``): per call, the function, the ranks asked for and whether the members alone
+    made it (``use_local_synchronization``)."""
+
+    targets = ((dist, ("new_group", "split_group")),)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, bool]] = []
+
+    def wrap(self, name: str, original: Any) -> Any:
+        def make(*args, **kwargs):
+            if name == "split_group":  # (parent_pg, split_ranks, ...)
+                splits = kwargs.get("split_ranks", args[1] if len(args) > 1 else ())
+                shown: tuple = tuple(tuple(sorted(r)) for r in splits)
+            else:  # (ranks, ...): None is every rank
+                ranks = kwargs.get("ranks", args[0] if args else None)
+                shown = tuple(sorted(ranks)) if ranks is not None else ("all",)
+            self.calls.append((name, shown, bool(kwargs.get("use_local_synchronization", False))))
+            return original(*args, **kwargs)
+
+        return make

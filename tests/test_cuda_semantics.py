@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -68,3 +69,23 @@ def test_normuon_numbers_travel_as_bits_under_cuda_copies(layout, world_size):
             assert compared > 0
             message = f"{wire} wire: {changed} of {compared} row-state numbers differ"
             assert differing == [], f"{message}: {differing}"
+
+
+def cpu_parameters_on_nccl(rank, world_size):
+    """Plain CPU tensors (as DDP replicates them) in a job whose default group had NCCL alone
+    (emulated: its backend config says so) are refused when the optimizer is built."""
+    nccl_only = dist.get_backend_config
+    dist.get_backend_config = lambda group=None: "cuda:nccl"
+    try:
+        DMuonFSDP([("encoder.weight", torch.nn.Parameter(torch.ones(4, 3)))])
+    except ValueError as e:
+        return str(e)
+    finally:
+        dist.get_backend_config = nccl_only
+    return None
+
+
+def test_cpu_parameters_with_an_nccl_only_group_are_refused_naming_the_parameter():
+    errors = run_ranks(cpu_parameters_on_nccl, 2)
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert errors[0].startswith("encoder.weight is on cpu") and "cuda:nccl" in errors[0]

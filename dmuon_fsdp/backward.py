@@ -48,7 +48,7 @@ from torch import Tensor
 
 from dmuon_fsdp.checks import StepKey, Verdict
 from dmuon_fsdp.program import StepProgram, StepRun, StepStats
-from dmuon_fsdp.state import local_shard
+from dmuon_fsdp.state import MuonStep, local_shard, muon_steps
 
 if TYPE_CHECKING:
     from dmuon_fsdp.options import Options
@@ -59,15 +59,16 @@ class Progress:
     """How far one step got before ``step``: its ``run`` (what was launched) and, for the hooks,
     ``missing[k]``: gradients bucket k needs that have not landed; ``used``: each gradient a
     started bucket read here, with its version counter then, and ``norms`` their norms (in that
-    order); ``inputs``: the options the NS inputs were made with; ``halted``: a gradient unfit
-    for the program landed (the step explains it), so nothing more starts."""
+    order); ``steps``: the groups' per-step options the NS inputs were made with (read at the
+    first bucket started); ``halted``: a gradient unfit for the program landed (the step
+    explains it), so nothing more starts."""
 
     run: StepRun
     missing: list[int]
     grads: list[Tensor | None]
     used: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
     norms: list[Tensor] = field(default_factory=list)
-    inputs: tuple | None = None
+    steps: list[MuonStep | None] | None = None
     stale: bool = False  # a gradient landed again after a started bucket read it
     halted: bool = False
     joining: bool = False  # the end of backward waits for the side stream
@@ -88,7 +89,7 @@ class Progress:
         (its version counter), or momentum or nesterov changed."""
         if self.run.launched == 0:
             return False
-        if self.stale or self.inputs != _input_options(groups):
+        if self.stale or self.steps is None or _inputs(self.steps) != _input_options(groups):
             return True
         return any(local[i] is not g or g._version != version for i, (g, version) in self.used.items())
 
@@ -105,7 +106,12 @@ class Progress:
 
 def _input_options(groups: Sequence[dict[str, Any]]) -> tuple:
     """What the NS inputs depend on besides the gradients and buffers."""
-    return tuple((g["momentum"], g["nesterov"]) for g in groups if g["use_muon"])
+    return tuple((float(g["momentum"]), bool(g["nesterov"])) for g in groups if g["use_muon"])
+
+
+def _inputs(steps: Sequence[MuonStep | None]) -> tuple:
+    """``_input_options`` of the groups ``steps`` were read from."""
+    return tuple((s.momentum, s.nesterov) for s in steps if s is not None)
 
 
 class _SideStream:
@@ -201,8 +207,8 @@ class BackwardStart:
         ):
             k, side = run.launched, self._side
             assert side is not None  # made when armed, as the progress was
-            if progress.inputs is None:
-                progress.inputs = _input_options(self._groups)
+            if progress.steps is None:
+                progress.steps = muon_steps(self._groups, run.program.device)
             if not progress.joining and side.module is not None:
                 progress.joining = True  # what follows backward waits for the side stream
                 torch.autograd.Variable._execution_engine.queue_callback(side.join)
@@ -215,7 +221,7 @@ class BackwardStart:
             # Every gradient bucket k needs has landed; its stage reads no other (those may be None).
             landed = cast("list[Tensor]", progress.grads)
             with side.on(), run.stats.label("momentum"):
-                run.start(k, landed, self._groups)
+                run.start(k, landed, progress.steps)
                 progress.norms += torch._foreach_norm(grads, dtype=torch.float32) if grads else []
             progress.used.update((i, (g, g._version)) for i, g in zip(read, grads, strict=True))
 
@@ -223,7 +229,7 @@ class BackwardStart:
         """Bring a step that will not be completed to where every rank's is (whatever its hooks
         started; ``StepRun.discard``)."""
         if progress is not None:
-            progress.run.discard(self._groups)
+            progress.run.discard()
 
     def run(
         self,
@@ -269,6 +275,7 @@ class BackwardStart:
         return verdict, progress.run.stats
 
 
+@torch.compiler.disable(recursive=True)  # compiled autograd calls it eagerly, never traces it
 def _landed(start: weakref.ref, i: int, param: Tensor) -> None:
     owner = start()
     if owner is not None:

@@ -14,11 +14,13 @@ raises the same error naming parameters and ranks. ``agree_on_plan`` is the one 
 when a program is built (trouble anywhere, and with ``check_grads`` that every rank built the
 same plan).
 
-Flags, per rank: [invalid, non-finite, redo, d0..d3, -d0..-d3]. Invalid is 1 for a sparse or
-misshapen gradient or a parameter whose layout changed; non-finite is 1 when a gradient holds inf
-or NaN; redo is 1 when gradients changed after backward began working on them;
-d0..d3 are the bytes of the key's digest: the maxima of d and of -d agree only if every rank sent
-the same d. Integers up to 255 are exact in every float dtype the exchange may use.
+Flags, per rank: [invalid, non-finite, redo, d0..d3, -d0..-d3, t0..t3, -t0..-t3]. Invalid is 1
+for a sparse or misshapen gradient or a parameter whose layout changed; non-finite is 1 when a
+gradient holds inf or NaN; redo is 1 when gradients changed after backward began working on
+them; d0..d3 are the bytes of the key's digest: the maxima of d and of -d agree only if every
+rank sent the same d; t0..t3 those of a digest of the per-step options given as tensors (a
+tensor lr), made on the device (``tensor_flags``: a tensor option is never read on the host), 0
+when there are none. Integers up to 255 are exact in every float dtype the exchange may use.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def structural_options() -> tuple[str, ...]:
 # checked through the flags too, without a rebuild when they change alike (a scheduler's lr).
 HYPER = {True: ("lr", "momentum", "nesterov", "weight_decay"), False: ("lr", "betas", "eps", "weight_decay")}
 
-FLAG_ELEMENTS = 11  # check elements per peer in the exchange that carries them
+FLAG_ELEMENTS = 19  # check elements per peer in the exchange that carries them
 INVALID_SLOT, NONFINITE_SLOT, REDO_SLOT = 0, 1, 2  # then the digest's four bytes, then their negations
+TENSOR_SLOTS = slice(11, 19)  # the tensor options' digest: four bytes, then their negations
 
 HAS_GRAD, NONFINITE, SPARSE, MISSHAPEN, STALE_LAYOUT, MISTYPED = 1, 2, 4, 8, 16, 32
 INVALID = {
@@ -135,8 +138,13 @@ def _hyper(groups: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str, Any]]:
 
 
 def hyper_numbers(groups: Sequence[dict[str, Any]]) -> list[float]:
-    """Every group's per-step options as numbers, in group order."""
+    """Every group's per-step options as numbers, in group order (tensors read: for messages)."""
     return [float(value) for _, _, value in _hyper(groups)]
+
+
+def tensor_options(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
+    """The per-step options given as tensors (a tensor lr), in group order."""
+    return [value for _, _, value in _hyper(groups) if isinstance(value, Tensor)]
 
 
 def hyper_labels(groups: Sequence[dict[str, Any]]) -> list[str]:
@@ -145,9 +153,30 @@ def hyper_labels(groups: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def hyper_digest(groups: Sequence[dict[str, Any]]) -> int:
-    """32-bit checksum of the per-step options; it travels XORed into the key's digest (``encode``),
-    so ranks that step with different options disagree on the digest and raise alike."""
-    return zlib.crc32(repr(hyper_numbers(groups)).encode())
+    """32-bit checksum of the per-step options given as numbers (those given as tensors count
+    by position: ``tensor_flags`` carries their values); it travels XORed into the key's digest
+    (``encode``), so ranks that step with different options disagree on the digest and raise
+    alike."""
+    numbers = [None if isinstance(v, Tensor) else float(v) for _, _, v in _hyper(groups)]
+    return zlib.crc32(repr(numbers).encode())
+
+
+# Odd multipliers of the tensor options' float32 bits in their digest (by position, mod 2**32).
+_WEIGHTS = (2654435761, 2246822519, 3266489917, 668265263, 374761393)
+
+
+def tensor_flags(tensors: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The flags of the tensor options' digest (``TENSOR_SLOTS``, in ``dtype`` on ``device``):
+    the four bytes of sum(bits_i * w_i) mod 2**32 over their float32 bits, then their negations;
+    device ops only (a tensor on another device is copied over, without waiting)."""
+    values = torch.stack(
+        [t.detach().reshape(()).to(device, torch.float32, non_blocking=True) for t in tensors]
+    )
+    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    weights = torch.tensor([_WEIGHTS[i % len(_WEIGHTS)] for i in range(len(tensors))], dtype=torch.int64)
+    digest = (bits * weights.to(device, non_blocking=True) % 2**32).sum() % 2**32
+    digits = (digest >> torch.tensor([0, 8, 16, 24], device=device)) & 255
+    return torch.cat([digits, -digits]).to(dtype)
 
 
 def key_agreement(key_digest: int, group: Any, device: torch.device) -> comm.Handle:
@@ -166,12 +195,15 @@ def encode(key_digest: int, invalid: bool, redo: bool = False) -> list[float]:
     """This rank's flags, with 0 in the non-finite slot (``nonfinite_indicator`` fills it);
     ``key_digest`` is the step key's digest XOR ``hyper_digest``."""
     digits = [float((key_digest >> (8 * i)) & 255) for i in range(4)]
-    return [float(invalid), 0.0, float(redo), *digits, *(-d for d in digits)]
+    return [float(invalid), 0.0, float(redo), *digits, *(-d for d in digits), *[0.0] * 8]
 
 
 def decide(summary: Sequence[float], key_digest: int, nonfinite: str, check_grads: bool) -> Verdict:
     """The verdict from the element-wise maximum of every rank's flags (the same everywhere)."""
     high, low = summary[3:7], [-v for v in summary[7:11]]
+    tensors = summary[TENSOR_SLOTS]
+    if check_grads and tensors[:4] != [-v for v in tensors[4:]]:  # ranks' tensor options differ
+        return Verdict.RAISE
     if summary[INVALID_SLOT] > 0 or (check_grads and high != low):
         return Verdict.RAISE
     if check_grads and sum(int(d) << (8 * i) for i, d in enumerate(high)) != key_digest:
@@ -220,6 +252,7 @@ class Flags:
     receive: Tensor
     nonfinite: Tensor  # the non-finite slot of each send segment: (peers,)
     redo: Tensor  # and the redo slot
+    tensors: Tensor  # and the tensor options' slots: (peers, 8)
     dtype: torch.dtype  # the exchange's
     digest: int = -1
     values: Tensor | None = None
@@ -237,7 +270,9 @@ class Flags:
         slot = {
             name: send[:, i].contiguous() for name, i in (("nonfinite", NONFINITE_SLOT), ("redo", REDO_SLOT))
         }
-        return cls(send, heads(carrier.receive_counts), slot["nonfinite"], slot["redo"], carrier.send.dtype)
+        tensors = send[:, TENSOR_SLOTS].contiguous()
+        receive = heads(carrier.receive_counts)
+        return cls(send, receive, slot["nonfinite"], slot["redo"], tensors, carrier.send.dtype)
 
     def values_for(self, digest: int) -> Tensor:
         """This rank's flags for ``digest`` with nothing wrong here (the last ones, when unchanged)."""

@@ -357,6 +357,7 @@ class DMuonFSDP(Optimizer):
             local = program.local_grads(grads) if ready.bound and key == program.key else None
             verdict, stats = run.run(local, groups, key, options, ready.agreement), run.stats
         stats.buffer_bytes = self._programs.buffer_bytes
+        stats.settle_times()
         self.last_step_stats = stats
         if verdict is Verdict.RAISE:
             self._programs.raise_alike(

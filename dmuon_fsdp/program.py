@@ -56,11 +56,13 @@ from dmuon_fsdp.checks import (
     encode,
     hyper_digest,
     nonfinite_indicator,
+    tensor_flags,
+    tensor_options,
 )
 from dmuon_fsdp.exchange import SLOTS
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
 from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.state import AdamWKernel, adamw, local_shard, muon_input
+from dmuon_fsdp.state import AdamWKernel, MuonStep, adamw, local_shard, muon_input, muon_steps
 
 if TYPE_CHECKING:
     from dmuon_fsdp.options import Options
@@ -123,8 +125,8 @@ class Batch:
 
 @dataclass(frozen=True)
 class Updates:
-    """``params -= lr * scale * directions`` on views of local shards, ``lr`` read from param
-    group ``group`` at each step; ``directions`` are views of orthogonalized results, scaled row
+    """``params -= lr * scale * directions`` on views of local shards, with param group
+    ``group``'s lr of the step (``MuonStep``); ``directions`` are views of orthogonalized results, scaled row
     by row by ``factors`` (views shaped (rows, 1)) in groups with a row variant."""
 
     group: int
@@ -133,9 +135,18 @@ class Updates:
     directions: list[Tensor]
     factors: list[Tensor] | None = None
 
-    def apply(self, groups: Sequence[dict[str, Any]]) -> None:
-        alpha = -float(groups[self.group]["lr"]) * self.scale
-        if self.factors is None:
+    def apply(self, steps: Sequence[MuonStep | None]) -> None:
+        step = steps[self.group]
+        assert step is not None  # updates are of Muon groups
+        alpha = step.alpha(self.scale)
+        if isinstance(alpha, Tensor):  # a tensor lr, on the device: scaled there, never read
+            scales = (
+                [alpha] * len(self.params)
+                if self.factors is None
+                else torch._foreach_mul(self.factors, alpha)
+            )
+            torch._foreach_addcmul_(self.params, self.directions, scales)
+        elif self.factors is None:
             torch._foreach_add_(self.params, self.directions, alpha=alpha)
         else:
             torch._foreach_addcmul_(self.params, self.directions, self.factors, value=alpha)
@@ -186,19 +197,19 @@ class Stage:
     inputs: tuple[NSInputs, ...]
     spread: Copies
 
-    def run(self, grads: list[Tensor], groups: Sequence[dict[str, Any]]) -> None:
+    def run(self, grads: list[Tensor], steps: Sequence[MuonStep | None]) -> None:
         """Write the inputs; the momentum buffers are only read (``commit`` updates them after
         the verdict)."""
         for inputs in self.inputs:
-            group = groups[inputs.group]
+            step = steps[inputs.group]
+            assert step is not None  # NS inputs are of Muon groups
             mine = [grads[i] for i in inputs.grads]
-            momentum, nesterov = float(group["momentum"]), bool(group["nesterov"])
             muon_input(
                 inputs.destinations,
                 inputs.buffers,
                 mine,
-                momentum,
-                nesterov,
+                step.momentum,
+                step.nesterov,
                 inputs.in_place,
                 inputs.math_dtype,
             )
@@ -274,16 +285,17 @@ class StepProgram:
         self,
         key: StepKey,
         hyper: int,
+        tensors: list[Tensor],
         local: list[Tensor] | None,
         nonfinite: str,
         redo: bool = False,
         changed: Tensor | None = None,
     ) -> Tensor | None:
         """This rank's check flags into every segment of the exchange carrying them (device ops
-        only): those of its key and per-step options (``hyper``), marked invalid when a gradient
-        is, and to redo when this rank's gradients changed after their work began (``redo``,
-        known on the host, or else ``changed``, a (1,) indicator on the device). Returns the
-        non-finite indicator when that check is on."""
+        only): those of its key and per-step options (``hyper``; those given as ``tensors``, on
+        the device), marked invalid when a gradient is, and to redo when this rank's gradients
+        changed after their work began (``redo``, known on the host, or else ``changed``, a (1,)
+        indicator on the device). Returns the non-finite indicator when that check is on."""
         indicator = None
         if nonfinite != "ignore" and local is not None:
             indicator = nonfinite_indicator([[local[i] for i in g] for g in self.checked], self.device)
@@ -302,6 +314,8 @@ class StepProgram:
                 send.index_put_((self.flags.nonfinite,), indicator.to(send.dtype))
             if changed is not None:
                 send.index_put_((self.flags.redo,), changed.to(send.dtype))
+            if tensors:
+                send.index_put_((self.flags.tensors,), tensor_flags(tensors, send.dtype, send.device))
         return indicator
 
     def verdict(
@@ -335,13 +349,14 @@ class StepProgram:
                 summary[REDO_SLOT] = changed.item()
         return decide(summary, expected, options.nonfinite, options.check_grads)
 
-    def decay(self, groups: Sequence[dict[str, Any]], stats: StepStats) -> None:
+    def decay(self, steps: Sequence[MuonStep | None], stats: StepStats) -> None:
         """Decoupled weight decay of the Muon parameters, after a ``GO`` and before any update."""
         with stats.phase("commit"):
             for lists in self.muon:
-                group = groups[lists.group]
-                if group["weight_decay"]:
-                    torch._foreach_mul_(lists.params, 1.0 - float(group["lr"]) * group["weight_decay"])
+                step = steps[lists.group]
+                assert step is not None  # these are Muon groups
+                if step.weight_decay:
+                    torch._foreach_mul_(lists.params, step.decay_factor())
 
     def adamw_step(self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: StepStats) -> None:
         with stats.phase("adamw"):
@@ -358,13 +373,14 @@ class StepProgram:
                 )
 
     def commit_momentum(
-        self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: StepStats
+        self, grads: list[Tensor], steps: Sequence[MuonStep | None], stats: StepStats
     ) -> None:
         """The momentum buffers, once every bucket's NS inputs were made from them."""
         with stats.phase("commit"):
             for lists in self.muon:
-                group = groups[lists.group]
-                torch._foreach_lerp_(lists.buffers, [grads[i] for i in lists.grads], 1.0 - group["momentum"])
+                step = steps[lists.group]
+                assert step is not None  # these are Muon groups
+                torch._foreach_lerp_(lists.buffers, [grads[i] for i in lists.grads], 1.0 - step.momentum)
 
 
 _NONE: dict = {}  # the state of a parameter whose state was removed (``moved`` reports it)
@@ -385,13 +401,14 @@ class StepRun:
     to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
     from_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
 
-    def start(self, k: int, grads: list[Tensor] | None, groups: Sequence[dict[str, Any]]) -> None:
-        """Make bucket ``k``'s NS inputs from ``grads`` (entry order; None: none, its results
-        will not be used) and launch its exchange to the owners; buckets start in order."""
+    def start(self, k: int, grads: list[Tensor] | None, steps: Sequence[MuonStep | None] = ()) -> None:
+        """Make bucket ``k``'s NS inputs from ``grads`` (entry order) with the groups' ``steps``
+        (None: none, its results will not be used) and launch its exchange to the owners;
+        buckets start in order."""
         if k != self.launched:
             raise RuntimeError(f"bucket {k} started after {self.launched} of {len(self.program.buckets)}")
         if grads is not None:
-            self.program.buckets[k].stage.run(grads, groups)
+            self.program.buckets[k].stage.run(grads, steps)
         exchange = self.program.buckets[k].to_owners
         self.to_owners[k] = comm.launch(exchange) if exchange is not None else None
         self.launched += 1
@@ -414,6 +431,7 @@ class StepRun:
         backward (the flags ask every rank to run the step again)."""
         program, stats = self.program, self.stats
         n, carrier = len(program.buckets), program.carrier
+        steps = muon_steps(groups, program.device)  # the per-step options, read once
         hyper = hyper_digest(groups) if program.flags is not None else 0  # every rank's alike?
         made = None if redo else local  # a rank that will ask for a redo makes nothing
         indicator = None
@@ -423,15 +441,17 @@ class StepRun:
             while self.launched <= min(n - 1, max(k + (1 if options.overlap else 0), carrier)):
                 with stats.phase("momentum"):
                     if made is not None:
-                        program.buckets[self.launched].stage.run(made, groups)
+                        program.buckets[self.launched].stage.run(made, steps)
                     if self.launched == carrier:
-                        indicator = program.write_flags(key, hyper, local, options.nonfinite, redo, changed)
+                        indicator = program.write_flags(
+                            key, hyper, tensor_options(groups), local, options.nonfinite, redo, changed
+                        )
                 if agreement is not None:
                     with stats.phase("wait"):
                         if not agreed(agreement, key.digest):  # every rank's exchanges would differ
                             return self.abandon(Verdict.RAISE)
                     agreement = None
-                self.start(self.launched, None, groups)
+                self.start(self.launched, None)
             if k == carrier:
                 verdict = program.verdict(
                     self.to_owners[k],
@@ -446,16 +466,16 @@ class StepRun:
                 if verdict is not Verdict.GO:
                     return self.abandon(verdict)
                 assert local is not None  # else the flags (or this rank's findings) say INVALID
-                program.decay(groups, stats)
+                program.decay(steps, stats)
                 program.adamw_step(local, groups, stats)
             if k >= carrier:  # bucket k - 2's way back is bucket k's: applied first
-                applied = self.apply_through(k - SLOTS, applied, groups)
+                applied = self.apply_through(k - SLOTS, applied, steps)
             self.finish(k, discarded=made is None)
             if not options.overlap and k >= carrier:
-                applied = self.apply_through(k, applied, groups)
-        self.apply_through(n - 1, applied, groups)
+                applied = self.apply_through(k, applied, steps)
+        self.apply_through(n - 1, applied, steps)
         assert local is not None  # the carrier (one of the buckets) had a GO verdict
-        program.commit_momentum(local, groups, stats)
+        program.commit_momentum(local, steps, stats)
         stats.count(**program.counts)
         return verdict
 
@@ -481,7 +501,7 @@ class StepRun:
             exchange = bucket.from_owners
             self.from_owners[k] = comm.launch(exchange) if exchange is not None else None
 
-    def apply_through(self, last: int, applied: int, groups: Sequence[dict[str, Any]]) -> int:
+    def apply_through(self, last: int, applied: int, steps: Sequence[MuonStep | None]) -> int:
         """Wait for the way back of buckets ``applied`` .. ``last`` and apply them; returns how
         many buckets are applied now."""
         for k in range(applied, last + 1):
@@ -491,13 +511,14 @@ class StepRun:
             with stats.phase("apply"):
                 bucket.writes.run()  # new row state into the state, the row factors out
                 for u in bucket.updates:
-                    u.apply(groups)
+                    u.apply(steps)
         return max(applied, last + 1)
 
     def abandon(self, verdict: Verdict) -> Verdict:
         """A step that does not go on: every exchange in flight waited for, nothing committed."""
         self.settle()
         self.stats.seconds.clear()
+        self.stats._events.clear()
         self.stats.skipped = verdict is Verdict.SKIP
         return verdict
 
@@ -508,13 +529,13 @@ class StepRun:
                 wait(handle)
             handles.clear()
 
-    def discard(self, groups: Sequence[dict[str, Any]]) -> None:
+    def discard(self) -> None:
         """Bring a step that will not be completed to where every rank's is, whatever was started:
         every exchange launched in the loop's order and waited for; nothing made or committed."""
         n = len(self.program.buckets)
         for k in range(n):
             while self.launched <= min(n - 1, max(k + 1, self.program.carrier)):
-                self.start(self.launched, None, groups)
+                self.start(self.launched, None)
             self.finish(k, discarded=True)
             if k >= SLOTS:
                 wait(self.from_owners.pop(k - SLOTS))
@@ -539,10 +560,11 @@ class StepStats:
     between steps: the two slots' exchange buffers, stacks of owned matrices, staging and scratch
     copies, and the NS workspace, which every bucket and every kept program share:
     ``dmuon_fsdp.exchange``).
-    With ``timed=True``, ``seconds[phase]`` holds the wall time of each of ``PHASES`` (``wait``:
-    blocked on all-to-all, summed over the step). On accelerators, timing synchronizes the device
-    at every phase boundary, which removes the overlap of exchange and NS: time whole steps with
-    timing off.
+    With ``timed=True``, ``seconds[phase]`` holds the time of each of ``PHASES``, summed over the
+    step: on CPU the host's (``wait``: blocked on an all-to-all); on accelerators the device's,
+    between events recorded on the current stream at the phase's start and end (``wait``: the
+    stream waiting for an exchange), read with one synchronization when the step ends
+    (``settle_times``), so that timing leaves the overlap of exchange and NS as it is.
 
     With ``overlap_backward``: ``started_in_backward`` counts the buckets whose NS inputs and
     exchange to owners began in backward, and ``redone`` is True when the step was redone from
@@ -563,6 +585,7 @@ class StepStats:
     skipped: bool = False
     started_in_backward: int = 0
     redone: bool = False
+    _events: list[tuple[str, Any, Any]] = field(default_factory=list, repr=False)  # to read at the end
 
     def count(
         self, ns_flops: int, bytes_sent: int, bytes_received: int, flag_bytes: int, collectives: int
@@ -571,15 +594,20 @@ class StepStats:
         self.ns_flops, self.bytes_sent, self.bytes_received = ns_flops, bytes_sent, bytes_received
         self.flag_bytes, self.collectives = flag_bytes, collectives
 
-    def _sync(self) -> None:
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize(self.device)
+    def settle_times(self) -> None:
+        """Add the device times of the phases timed by events to ``seconds`` (one wait, for the
+        last event)."""
+        if self._events:
+            self._events[-1][2].synchronize()
+            for name, begin, end in self._events:
+                self.seconds[name] += begin.elapsed_time(end) / 1000.0
+            self._events.clear()
 
     @contextmanager
     def label(self, name: str) -> Iterator[None]:
         """Label ``dmuon_fsdp.<name>`` in a profiler trace (only while a profiler runs: a label
-        costs two dispatched ops), untimed: as for work in backward's hooks, where timing's
-        device synchronization would wait on other ranks."""
+        costs two dispatched ops), untimed: as for work in backward's hooks (on a side stream,
+        amid backward)."""
         profiling = autograd_profiler._is_profiler_enabled  # torch's fast check for this purpose
         with autograd_profiler.record_function(f"dmuon_fsdp.{name}") if profiling else nullcontext():
             yield
@@ -591,10 +619,18 @@ class StepStats:
             if not self.timed:
                 yield
                 return
-            self._sync()
+            if self.device.type != "cpu":
+                module = torch.get_device_module(self.device)
+                begin, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+                begin.record()
+                try:
+                    yield
+                finally:
+                    end.record()
+                    self._events.append((name, begin, end))
+                return
             start = time.perf_counter()
             try:
                 yield
             finally:
-                self._sync()
                 self.seconds[name] += time.perf_counter() - start

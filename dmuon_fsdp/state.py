@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, TypedDict
 
@@ -72,6 +73,40 @@ def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
                 held.pop(key, None)
             if row_key is not None and (missing or held[row_key].shape != row_shape(p, group["flatten"])):
                 held[row_key] = row_state_like(p, group["flatten"])  # (``flatten`` changed)
+
+
+@dataclass(frozen=True)
+class MuonStep:
+    """A Muon group's per-step options, read once per step (``muon_steps``): ``lr`` a float, or
+    when the group's lr is a tensor that tensor on the parameters' device, used there and never
+    read on the host (a device read each step, otherwise, on a GPU)."""
+
+    lr: float | Tensor
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+
+    def decay_factor(self) -> float | Tensor:
+        """1 - lr * weight_decay (decoupled weight decay with the unadjusted lr)."""
+        return 1.0 - self.lr * self.weight_decay
+
+    def alpha(self, scale: float) -> float | Tensor:
+        """-lr * scale, an update's step size (``scale``: ``adjusted_lr`` of lr 1)."""
+        return self.lr * -scale
+
+
+def muon_steps(groups: Sequence[dict[str, Any]], device: torch.device) -> list[MuonStep | None]:
+    """Each param group's ``MuonStep`` for this step (None for AdamW groups, whose options go to
+    torch's AdamW as they are)."""
+    out: list[MuonStep | None] = []
+    for g in groups:
+        if not g["use_muon"]:
+            out.append(None)
+            continue
+        lr = g["lr"]
+        lr = lr.to(device, non_blocking=True) if isinstance(lr, Tensor) else float(lr)
+        out.append(MuonStep(lr, float(g["momentum"]), bool(g["nesterov"]), float(g["weight_decay"])))
+    return out
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -153,6 +188,9 @@ def adamw(
     beta1, beta2 = group["betas"]
     if kernel["fused"] and not all(g.is_contiguous() for g in grads):
         grads = [g.contiguous() for g in grads]
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and not kernel["fused"]:  # torch's foreach AdamW takes a number
+        lr = float(lr)
     torch_adamw(
         params,
         grads,
@@ -163,7 +201,7 @@ def adamw(
         amsgrad=False,
         beta1=beta1,
         beta2=beta2,
-        lr=group["lr"],
+        lr=lr,
         weight_decay=group["weight_decay"],
         eps=group["eps"],
         maximize=False,

@@ -50,9 +50,10 @@ class _Patches:
 
 
 class HostReads(_Patches):
-    """Counts Tensor.item / tolist / __bool__ calls while active (device-to-host reads on GPUs)."""
+    """Counts Tensor.item / tolist / __bool__ / __float__ / __int__ calls while active
+    (device-to-host reads on GPUs)."""
 
-    targets = ((torch.Tensor, ("item", "tolist", "__bool__")),)
+    targets = ((torch.Tensor, ("item", "tolist", "__bool__", "__float__", "__int__")),)
 
     def __init__(self) -> None:
         self.count = 0

@@ -8,6 +8,7 @@ backward."""
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 
 import pytest
@@ -241,3 +242,41 @@ def test_a_deep_copy_steps_as_the_original_and_hooks_its_own_parameters():
         plain_step(twin_model, twin_opt, step)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters(), strict=True))
     assert opt.last_step_stats.started_in_backward > 0 and twin_opt.last_step_stats.started_in_backward > 0
+
+
+def test_hooks_run_eagerly_under_compiled_autograd():
+    # Compiled autograd would trace the hooks (and with them the async all-to-all) into its
+    # graph; they are excluded from compilation, and the steps stay those of the plain step.
+    records = []
+
+    class Messages(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    def run(overlap):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
+        opt = DMuonFSDP(model.parameters(), bucket_bytes=2**10, overlap_backward=overlap)
+        started = []
+        for step in range(3):
+            loss = model(inputs(step, 16)).pow(2).sum()
+            with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            started.append(opt.last_step_stats.started_in_backward)
+        return [p.detach() for p in model.parameters()], started
+
+    logger, handler = logging.getLogger("torch._dynamo"), Messages()
+    torch._logging.set_logs(dynamo=logging.INFO)
+    logger.addHandler(handler)
+    try:
+        (plain, _), (overlapped, started) = run(False), run(True)
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    assert records, "dynamo logged nothing: the check would see nothing"
+    assert not [m for m in records if "dmuon_fsdp" in m], "dynamo traced the package's code"
+    assert started[1:] == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(plain, overlapped, strict=True))

@@ -235,3 +235,46 @@ def test_buffers_do_not_grow_with_the_depth_of_the_model():
     for (shallow, buckets), (deep, deep_buckets) in run_ranks(buffers_by_depth, 2):
         assert deep_buckets > 2 * buckets > 2 * SLOTS
         assert deep <= 1.5 * shallow, (deep, shallow)
+
+
+def tensor_lr(rank, world_size, lr_of):
+    """Parameters after three steps with Muon's and AdamW's lr given as ``lr_of(value)`` (weight
+    decay on), and the device-to-host reads of the last (steady) step."""
+    model = sharded()
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim == 2], "lr": lr_of(0.02)},
+        {"params": [model.scale], "use_muon": False, "lr": lr_of(0.01)},
+    ]
+    opt = DMuonFSDP(groups, weight_decay=0.1, ns_dtype=torch.float32, bucket_bytes=2**10)
+    for step in range(3):
+        model(inputs(step)).pow(2).sum().backward()
+        with HostReads() as reads:
+            opt.step()
+        opt.zero_grad()
+    return [p.full_tensor() for p in model.parameters()], reads.count, len(opt.plan.buckets)
+
+
+def test_a_tensor_lr_is_never_read_on_the_host():
+    floats = run_ranks(tensor_lr, 2, float)
+    tensors = run_ranks(tensor_lr, 2, torch.tensor)
+    for (want, float_reads, buckets), (got, tensor_reads, _) in zip(floats, tensors, strict=True):
+        assert buckets >= 4
+        assert tensor_reads == float_reads == 1  # the verdict
+        # the same steps, to float32 rounding (0.02 as a float32 tensor, its products rounded)
+        assert max(((a - b).norm() / a.norm()).item() for a, b in zip(want, got, strict=True)) < 1e-5
+
+
+def disagreeing_tensor_lr(rank, world_size):
+    model = sharded()
+    opt = DMuonFSDP([{"params": list(model.parameters()), "lr": torch.tensor(0.02 + 0.01 * rank)}])
+    model(inputs(0)).pow(2).sum().backward()
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_whose_tensor_lr_differs_raise_alike_naming_it():
+    errors = run_ranks(disagreeing_tensor_lr, 2)
+    assert errors[0] == errors[1] and "param group 0's lr" in errors[0], errors

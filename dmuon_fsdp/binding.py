@@ -100,7 +100,9 @@ def bind(
     ]
     binder = _Binder(plan, forms, schedule, entries, groups, state, settings, pool)
     if not pool.fits(binder.needed):  # measured only: bind again into arenas of the sizes asked
-        pool.grow(binder.needed)
+        needed = binder.needed
+        del binder  # its views of the arenas that grow must not outlive them
+        pool.grow(needed)
         binder = _Binder(plan, forms, schedule, entries, groups, state, settings, pool)
     buckets = binder.buckets
     wire = schedule.buckets[schedule.carrier].to_owners

@@ -187,7 +187,7 @@ class ProgramCache:
         assert in_use is not None  # ``_use`` set it, now or at an earlier step
         program = self.current
         if self._pool is None:
-            self._pool = Pool(settings.device)
+            self._pool = Pool(settings.device, release=self._bound.clear)
         if program is None or program.generation != self._pool.generation or program.moved(params, state):
             self._bound.pop(in_use, None)
             del program
@@ -197,12 +197,10 @@ class ProgramCache:
                 while len(self._plans) >= PROGRAMS_KEPT:
                     self._bound.pop(self._plans.popitem(last=False)[0], None)
                 planned = self._plans[in_use] = plan_program(in_use, groups, state, names, settings)
-            generation = self._pool.generation
+            # (a pool that grows lets every kept program go first: they bind anew when used)
             program = bind(
                 planned.plan, planned.forms, planned.schedule, in_use, groups, state, settings, self._pool
             )
-            if self._pool.generation != generation:  # the pool grew: the others bind anew when used
-                self._bound.clear()
             if stale_layouts(params, state):  # every rank hears of it at the verdict
                 return Ready(program, bound=False, agreement=agreement)  # (not kept: bound to old state)
             self._bound[in_use] = program

@@ -28,13 +28,15 @@ batch at a time. So the buffers are a small multiple of the largest bucket (``bu
 whatever the depth of the model, and the programs kept for other gradient sets share them
 (one program runs at a time). A program is bound into the pool as it is (``Region.take`` hands
 out views in order); if some arena was too small, binding asked for meta tensors past its end,
-and the pool grows to what was asked (``Pool.grow``) before binding again. Growing replaces
-arenas, so programs bound before must be bound anew (``Pool.generation`` tells them apart).
+and the pool grows to what was asked, with headroom (``Pool.grow``), before binding again.
+Growing replaces arenas: the kept programs let go of them first, so that each is freed before
+its successor is made, and bind anew when next used (``Pool.generation`` tells them apart).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -424,10 +426,14 @@ class Region:
 class Pool:
     """The arenas of ``arena_names()`` on one device (bytes, zeroed when made: a binding writes
     nothing into them, so that binding anew never touches an exchange in flight; every view is
-    written before it is read)."""
+    written before it is read). ``release`` drops every view of the pool its owner keeps (the
+    kept programs), so that an arena replaced when the pool grows is freed before its larger
+    successor is made; a program in flight (one begun in backward) keeps its arenas alive
+    until it is done with them."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, release: Callable[[], None] = lambda: None) -> None:
         self.device = device
+        self.release = release
         self.arenas: dict[tuple[str, int], Tensor] = {}
         self.generation = 0
         self.nbytes = 0  # of every arena
@@ -444,11 +450,19 @@ class Pool:
         return arena.numel() if arena is not None else 0
 
     def grow(self, needed: dict[tuple[str, int], int]) -> None:
-        """Make the arenas that are smaller than ``needed`` anew at that size (their old views go
-        stale: ``generation`` moves on)."""
+        """Make the arenas that are smaller than ``needed`` anew, with headroom (``GROWTH`` times
+        their old size, at least what is needed: a run whose programs grow a little at a time
+        makes few arenas); every program bound before goes stale (``generation`` moves on), and
+        the owner's views go first (``release``)."""
+        self.release()
         for name, n in needed.items():
-            if n > self.size(name):
-                self.arenas.pop(name, None)  # freed before the larger one is made
-                self.arenas[name] = torch.zeros(n, dtype=torch.uint8, device=self.device)
+            old = self.size(name)
+            if n > old:
+                self.arenas.pop(name, None)  # freed (nothing else views it) before the larger one is made
+                size = max(n, math.ceil(old * GROWTH))
+                self.arenas[name] = torch.zeros(size, dtype=torch.uint8, device=self.device)
         self.generation += 1
         self.nbytes = sum(arena.numel() for arena in self.arenas.values())
+
+
+GROWTH = 1.5  # an arena that grows takes at least this many times its old size

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import weakref
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp.cache import AGREE_UNTIL_STEADY, PROGRAMS_KEPT
@@ -152,3 +154,43 @@ def test_a_loaded_state_lets_go_of_the_programs_it_replaces():
     gc.collect()
     assert all(ref() is None for ref in old), "a kept program holds a replaced state tensor"
     assert opt.last_step_stats.buffer_bytes == pooled > 0  # bound anew into the same buffers
+
+
+class Arenas(TorchDispatchMode):
+    """The byte tensors made while active (the pool's arenas): at each one made, the bytes of
+    the storages of those made before that are still alive, plus its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[int, int]] = []  # (storage weak reference, bytes)
+        self.peaks: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.zeros.default and out.dtype == torch.uint8:
+            gc.collect()
+            alive = sum(n for ref, n in self.made if not torch.UntypedStorage._expired(ref))
+            self.made.append((out.untyped_storage()._weak_ref(), out.numel()))
+            self.peaks.append(alive + out.numel())
+        return out
+
+
+def test_a_growing_pool_frees_what_it_replaces_first_and_grows_with_headroom():
+    # Steps whose gradient sets grow one matrix at a time: each needs more buffers than the one
+    # before. The kept programs let go of an arena before its successor is made, so the buffers
+    # never take more than the pool holds after growing; and growing with headroom makes fewer
+    # arenas than there are sets.
+    model = Branches()
+    names = list(SHAPES)
+    opt = DMuonFSDP(model.named_parameters(), ns_dtype=torch.float32)
+    sizes = []
+    with Arenas() as arenas:
+        for step in range(len(names)):
+            model(step, names[: step + 1]).backward()
+            opt.step()
+            opt.zero_grad()
+            sizes.append(opt.last_step_stats.buffer_bytes)
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+    assert max(arenas.peaks) <= sizes[-1]
+    grown = sum(1 for a, b in itertools.pairwise(sizes) if b > a)
+    assert grown < len(names) - 1, sizes

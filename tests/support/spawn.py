@@ -94,16 +94,54 @@ def _run_once(
             join=False,
             start_method="forkserver",
         )
-        deadline = time.monotonic() + timeout
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s")
+        _join(context, timeout, f"{fn.__name__} on {world_size} ranks")
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
         ]
+
+
+def _join(context: Any, timeout: float, label: str) -> None:
+    """Wait for the processes (a rank's exception re-raises here), killing them after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"{label} did not finish in {timeout:.0f}s")
+
+
+def _sampled_main(
+    index: int, fn: Callable, world_size: int, ranks: list[int], out_dir: str, args: tuple
+) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    rank = ranks[index]
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(rank, world_size, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_sampled(
+    fn: Callable[..., Any], world_size: int, ranks: list[int], *args: Any, timeout: float = 180.0
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` for each of ``ranks`` of a ``world_size``-rank job, a
+    process each standing for its rank under torch's fake process group (collectives do
+    nothing: what ``fn`` records of them is what the rank would send); return each result."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _sampled_main,
+            args=(fn, world_size, ranks, out_dir, args),
+            nprocs=len(ranks),
+            join=False,
+            start_method="forkserver",
+        )
+        _join(context, timeout, f"{fn.__name__} as ranks {ranks} of {world_size}")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in ranks]
 
 
 def cpu_mesh():

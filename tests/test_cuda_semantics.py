@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP
+from tests import gpu_check
 from tests.support.cuda import CudaForeachCopy
 from tests.support.layout_runs import SHAPES, Weights
 from tests.support.paired_runs import snapshot
@@ -89,3 +90,19 @@ def test_cpu_parameters_with_an_nccl_only_group_are_refused_naming_the_parameter
     errors = run_ranks(cpu_parameters_on_nccl, 2)
     assert errors[0] == errors[1] and errors[0] is not None
     assert errors[0].startswith("encoder.weight is on cpu") and "cuda:nccl" in errors[0]
+
+
+def gpu_check_job(rank, world_size):
+    """The GPU check's job (``tests.gpu_check``), on CPU ranks over gloo."""
+    return [gpu_check.check_case(case, torch.device("cpu")) for case in gpu_check.CASES]
+
+
+def test_the_gpu_checks_job_on_cpu_equals_float64_and_its_serialized_run():
+    # Four ranks, FSDP and HSDP, overlap on and off, bf16 and fp32 wire, Muon and NorMuon, steps
+    # begun in backward: against the float64 reference, and bitwise against the same run with
+    # every collective completed before the next op (a buffer touched in flight would differ).
+    for result in run_ranks(gpu_check_job, gpu_check.WORLD):
+        for c in result:
+            assert c["error"] <= c["bound"] and c["differing"] == 0, c
+            assert c["buckets"] >= 6, c
+            assert c["started_in_backward"] > 0 or "in backward" not in c["case"], c

@@ -161,21 +161,21 @@ def hyper_digest(groups: Sequence[dict[str, Any]]) -> int:
     return zlib.crc32(repr(numbers).encode())
 
 
-# Odd multipliers of the tensor options' float32 bits in their digest (by position, mod 2**32).
-_WEIGHTS = (2654435761, 2246822519, 3266489917, 668265263, 374761393)
+# Odd multipliers of the tensor options' float32 bits in their digest (by position), below 2**31
+_WEIGHTS = (1000003, 2000029, 3000017, 4000037, 5000011)
 
 
 def tensor_flags(tensors: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
     """The flags of the tensor options' digest (``TENSOR_SLOTS``, in ``dtype`` on ``device``):
     the four bytes of sum(bits_i * w_i) mod 2**32 over their float32 bits, then their negations;
-    device ops only (a tensor on another device is copied over, without waiting)."""
-    values = torch.stack(
-        [t.detach().reshape(()).to(device, torch.float32, non_blocking=True) for t in tensors]
-    )
-    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    weights = torch.tensor([_WEIGHTS[i % len(_WEIGHTS)] for i in range(len(tensors))], dtype=torch.int64)
-    digest = (bits * weights.to(device, non_blocking=True) % 2**32).sum() % 2**32
-    digits = (digest >> torch.tensor([0, 8, 16, 24], device=device)) & 255
+    device ops only, nothing copied from the host but a tensor option kept there (without
+    waiting)."""
+    digest = torch.zeros((), dtype=torch.int64, device=device)
+    for i, t in enumerate(tensors):
+        value = t.detach().reshape(()).to(device, torch.float32, non_blocking=True)
+        bits = value.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        digest = (digest + bits * _WEIGHTS[i % len(_WEIGHTS)]) % 2**32
+    digits = torch.stack([(digest >> shift) & 255 for shift in (0, 8, 16, 24)])
     return torch.cat([digits, -digits]).to(dtype)
 
 

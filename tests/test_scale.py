@@ -56,8 +56,8 @@ class Collectives(_Patches):
 
 def recorded(rank, world_size, layout):
     """Every collective of two steps on this rank (``Collectives``)."""
-    if layout == "moe":  # torchtitan's meshes, HSDP x EP: (2, 512) dense, (2, 64, 8) experts (whole ones)
-        model = moe_block("hsdp", 512, 64, 8)
+    if layout == "moe":  # torchtitan's meshes, HSDP x EP: (2, 512) dense and (2, 4, 128) experts
+        model = moe_block("hsdp", 128, 4, 128)
         groups = param_groups(model, stacked="experts")
     else:
         model = Weights(SHAPES)

@@ -20,8 +20,10 @@ stream of steps begun in backward all run:
 - ``sanitizer``: ``TORCH_CUDA_SANITIZER=1`` over FSDP2 training with ``overlap_backward`` and a
   clipping step (one process, NCCL).
 
-With several GPUs, the job also runs on NCCL, one rank per GPU, at every GPU count from 2. Under
-10 minutes on one H200. The job's CPU form (four gloo ranks on CPU, the serialized comparison
+With several GPUs, the job also runs on NCCL, one rank per GPU, at every GPU count from 2, with
+a device bound to the default group (eager initialization, where a group made by part of the
+job would hang). Meant to take under 10 minutes on one H200 (not yet run on one: 51 s on 2 CPU
+cores as a dry run). The job's CPU form (four gloo ranks on CPU, the serialized comparison
 included) runs in the suite: ``tests/test_cuda_semantics.py``.
 
 Self-contained but for ``tests.support.cuda`` and ``tests.support.reference``: it needs torch
@@ -200,7 +202,9 @@ def check_case(case: Case, device: torch.device) -> dict[str, Any]:
         sums[2 * i], sums[2 * i + 1] = (got - ref).square().sum(), ref.square().sum()
     ours, theirs = _local_tensors(model, opt), _local_tensors(twin, twin_opt)
     sums[-1] = sum(not torch.equal(_bits(a), _bits(b)) for a, b in zip(ours, theirs, strict=True))
+    sums = sums.to(device)  # NCCL reduces device tensors only
     dist.all_reduce(sums)
+    sums = sums.cpu()
     errors = [(sums[2 * i] / sums[2 * i + 1]).sqrt().item() for i in range(len(expected))]
     return {
         "case": case.name,
@@ -276,7 +280,10 @@ def _job_rank(rank: int, world: int, port: int, backend: str, device_type: str, 
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # NCCL eagerly initialized, as trainers that bind a device at start do: every group the
+    # optimizer makes is then a split of the default communicator ([Note: groups])
+    bound = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, **bound)
     try:
         result: dict[str, Any] = {"unsupported": _unsupported(device)}
         if not result["unsupported"]:

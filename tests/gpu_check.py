@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,8 +56,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dmuon_fsdp import DMuonFSDP, clip_grad_norm_
-from tests.support.cuda import Serialized
+from tests.support.cuda import Serialized, bits
 from tests.support.reference import reference_muon_step
+from tests.support.spawn import free_port, join
 
 # (5, 16) leaves an empty shard at 4 ranks; (13, 9) and (9, 13) split unevenly
 BASE = {"w5": (5, 16), "w13": (13, 9), "w9": (9, 13), "conv": (6, 3, 3, 3), "tall": (40, 8)}
@@ -170,15 +170,6 @@ def _reference(case: Case) -> dict[str, torch.Tensor]:
     return params
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return (
-        t.detach()
-        .contiguous()
-        .view(-1)
-        .view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    )
-
-
 def _local_tensors(model: nn.ParameterDict, opt: DMuonFSDP) -> list[torch.Tensor]:
     out = []
     for p in model.values():
@@ -201,7 +192,7 @@ def check_case(case: Case, device: torch.device) -> dict[str, Any]:
         ref = want[_block(p)]
         sums[2 * i], sums[2 * i + 1] = (got - ref).square().sum(), ref.square().sum()
     ours, theirs = _local_tensors(model, opt), _local_tensors(twin, twin_opt)
-    sums[-1] = sum(not torch.equal(_bits(a), _bits(b)) for a, b in zip(ours, theirs, strict=True))
+    sums[-1] = sum(not torch.equal(bits(a), bits(b)) for a, b in zip(ours, theirs, strict=True))
     sums = sums.to(device)  # NCCL reduces device tensors only
     dist.all_reduce(sums)
     sums = sums.cpu()
@@ -320,9 +311,7 @@ def _unsupported(device: torch.device) -> list[str]:
 
 def run_job(world: int, backend: str, device_type: str, seconds: float = 420.0) -> dict[str, Any]:
     """The job's ranks as processes; rank 0's results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "job.json")
         context = mp.start_processes(
@@ -332,19 +321,14 @@ def run_job(world: int, backend: str, device_type: str, seconds: float = 420.0) 
             join=False,
             start_method="spawn",
         )
-        deadline = time.monotonic() + seconds
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                raise TimeoutError(f"the {world}-rank {backend} job ran past {seconds:.0f} s")
+        join(context, seconds, f"the {world}-rank {backend} job")
         return json.loads(Path(out).read_text())
 
 
 def sanitized(device_type: str) -> None:
     """FSDP2 training with ``overlap_backward`` and ``dmuon_fsdp.clip_grad_norm_`` each step, one
     process (run under ``TORCH_CUDA_SANITIZER=1`` by ``--part sanitizer``)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cuda = device_type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
@@ -367,12 +351,6 @@ def sanitized(device_type: str) -> None:
         print(json.dumps({"started_in_backward": started}))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _part(argv: list[str], env: dict[str, str], seconds: float) -> subprocess.CompletedProcess:

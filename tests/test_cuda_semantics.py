@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP
 from tests import gpu_check
-from tests.support.cuda import CudaForeachCopy
+from tests.support.cuda import CudaForeachCopy, bits
 from tests.support.layout_runs import SHAPES, Weights
 from tests.support.paired_runs import snapshot
 from tests.support.spawn import cpu_mesh, run_ranks
@@ -20,11 +20,6 @@ from tests.support.training import train
 
 STEPS = 6
 WIRES = (torch.bfloat16, torch.float16)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as integers of its width: equal only if every bit is."""
-    return t.contiguous().view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def normuon_copies(rank, world_size, layout):

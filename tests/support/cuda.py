@@ -15,6 +15,12 @@ from instruments.counters import _Patches
 HALF = (torch.float16, torch.bfloat16)
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of its width: equal only if every bit is."""
+    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(-1).view(width)
+
+
 class CudaForeachCopy(_Patches):
     """``torch._foreach_copy_`` as CUDA runs it: its fast path loads each element in its math
     type and stores it back, so a copy between two float16 or bfloat16 tensors turns every NaN

@@ -94,14 +94,15 @@ def _run_once(
             join=False,
             start_method="forkserver",
         )
-        _join(context, timeout, f"{fn.__name__} on {world_size} ranks")
+        join(context, timeout, f"{fn.__name__} on {world_size} ranks")
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
         ]
 
 
-def _join(context: Any, timeout: float, label: str) -> None:
-    """Wait for the processes (a rank's exception re-raises here), killing them after ``timeout``."""
+def join(context: Any, timeout: float, label: str) -> None:
+    """Wait for the processes ``torch.multiprocessing.start_processes`` started (a process's
+    exception re-raises here), killing them after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -140,7 +141,7 @@ def run_sampled(
             join=False,
             start_method="forkserver",
         )
-        _join(context, timeout, f"{fn.__name__} as ranks {ranks} of {world_size}")
+        join(context, timeout, f"{fn.__name__} as ranks {ranks} of {world_size}")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in ranks]
 
 

@@ -30,6 +30,7 @@ def build_optimizers(args: argparse.Namespace, model: torch.nn.Module) -> list[t
                 adamw_weight_decay=wd,
                 ns_algorithm=args.ns_algorithm or "standard",
                 variant=args.variant or "muon",
+                adjust_lr_fn=args.adjust_lr_fn,
                 overlap_backward=args.overlap_backward,
                 **buckets,
             )

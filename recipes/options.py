@@ -15,6 +15,7 @@ from dmuon_fsdp.variants import VARIANTS
 from recipes.model import PRESETS
 
 DEFAULT_LR = {"dmuon": 0.01, "torch-muon": 0.01, "adamw": 3e-3}  # from scripts/lr_sweep.sh
+DEFAULT_WARMUP = 20  # steps, or the run's --steps where fewer
 
 
 class UsageError(Exception):
@@ -100,6 +101,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         "its running second moment, NorMuon) (default: muon)",
     )
     opt.add_argument(
+        "--adjust-lr-fn",
+        default=None,
+        choices=("original", "match_rms_adamw"),
+        help="DMuonFSDP's per-matrix lr scale: original (sqrt(max(1, rows / cols))) or match_rms_adamw "
+        "(0.2 sqrt(max(rows, cols)): updates of AdamW's RMS, so an AdamW lr carries over) "
+        "(default: none)",
+    )
+    opt.add_argument(
         "--overlap-backward",
         action="store_true",
         help="DMuonFSDP starts its first bucket's exchange to the owners during backward, once its "
@@ -112,7 +121,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="DMuonFSDP's bucket_bytes in MiB: the most one rank holds or moves per bucket "
         "(default: DMuonFSDP's, 128)",
     )
-    opt.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    opt.add_argument(
+        "--warmup", type=int, default=None, help="linear warm-up steps (default: 20, or --steps if fewer)"
+    )
     opt.add_argument("--decay", default="cosine", choices=["cosine", "linear"], help="lr decay after warm-up")
     opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
     opt.add_argument(
@@ -228,6 +239,8 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     args.given = frozenset(key for key, value in again.items() if value is not unset)
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
+    if args.warmup is None:
+        args.warmup = min(DEFAULT_WARMUP, args.steps)
     args.run_dir = args.run_dir or _resumed_run_dir(args.resume) or f"runs/{args.preset}-{args.optimizer}"
     return args
 
@@ -294,6 +307,11 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--qk-clip-alpha must be between 0 and 1 (got {args.qk_clip_alpha:g})")
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {args.min_lr_ratio:g})")
+    if "warmup" in args.given and args.warmup > args.steps:  # (the default is at most --steps)
+        raise UsageError(
+            f"--warmup {args.warmup} is longer than --steps {args.steps}: the lr would never reach "
+            "its peak (pass a --warmup of at most --steps)"
+        )
     if args.batch_size % (world_size * args.grad_accum):
         raise UsageError(
             f"--batch-size {args.batch_size} must be divisible by ranks x --grad-accum "
@@ -306,6 +324,7 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
     for flag, given in (
         ("--ns-algorithm", args.ns_algorithm is not None),
         ("--variant", args.variant is not None),
+        ("--adjust-lr-fn", args.adjust_lr_fn is not None),
         ("--overlap-backward", args.overlap_backward),
         ("--bucket-mib", args.bucket_mib is not None),
     ):

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 if not __package__:  # run by path (python recipes/x.py, torchrun recipes/x.py): the repository's recipes
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -374,10 +373,23 @@ def write_summary(
     )
 
 
+def record_for_torchrun(line: str) -> None:
+    """Under torchrun, leave ``line`` in the rank's error file, which torchrun's failure report
+    shows in its ``traceback`` field: the file has ``ErrorHandler``'s form with ``line`` in place
+    of the Python traceback that ``ErrorHandler.record_exception`` puts there, once per rank."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        with open(path, "w") as file:
+            json.dump({"message": {"message": line, "extraInfo": extra}}, file)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train; returns the exit status (the same on every rank): 0, 2 for bad input, 1 for a
     checkpoint or file that could not be read or written (one ``error: ...`` line from rank 0),
-    3 (``STOPPED``) after a SIGTERM or SIGINT and its checkpoint."""
+    3 (``STOPPED``) after a SIGTERM or SIGINT and its checkpoint. Under torchrun the shell gets
+    torchrun's status instead (1 when a rank failed); its report shows each rank's status and the
+    error line."""
     caller_group = dist.is_initialized()  # then the caller also destroys it
     try:
         train(parse_args(argv))
@@ -387,8 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, checkpoint.CheckpointError, RunFailure) as error:
         if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's failure report then ends with it
-            ErrorHandler().record_exception(error)
+        record_for_torchrun(f"error: {error}")
         return 2 if isinstance(error, UsageError) else 1
     finally:
         if dist.is_initialized() and not caller_group:

@@ -20,6 +20,7 @@ import pytest
 from recipes import checkpoint
 from recipes.pretrain import main
 from recipes.stop import SAME_REQUEST_S, STOPPED
+from tests.support.torchrun import only_torchruns_report
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -91,14 +92,20 @@ def kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def only_torchruns_report(out: str, status: int, error: str) -> None:
-    """torchrun's failure report follows (with its own traceback, ChildFailedError), naming the
-    workers' status and ending with the recipe's ``error`` line, which the workers recorded in
-    torchrun's error file; no worker printed a traceback of its own."""
-    before, report = out.split("Traceback (most recent call last)", 1)
-    assert f"exitcode  : {status}" in report and "ChildFailedError" in report, out
-    assert "Traceback" not in before, out
-    assert error.removeprefix("error: ") in report.rsplit("Root Cause", 1)[1], out
+def test_a_usage_error_under_torchrun_is_its_line_and_torchruns_report(tmp_path, cache):
+    # torchrun returns 1 whenever a rank fails; the rank's own status (2, bad input) is in its report.
+    for bad, error in (
+        (["--data", str(tmp_path / "nope.bin")], f"error: --data {tmp_path / 'nope.bin'}: no such file"),
+        (
+            ["--steps", "10", "--warmup", "50"],
+            "error: --warmup 50 is longer than --steps 10: the lr would never reach its peak "
+            "(pass a --warmup of at most --steps)",
+        ),
+    ):
+        job = launch(tmp_path / "run", cache, *bad, ranks=2)
+        out = job.communicate(timeout=120)[0]
+        assert job.returncode == 1, out
+        assert only_torchruns_report(out, status=2, error=error) == [error], out
 
 
 def test_a_second_job_is_refused_while_orphans_train_and_takes_over_once_they_are_gone(tmp_path, cache):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -24,9 +25,10 @@ from dmuon_fsdp.options import (
     check_lr,
     check_new_groups,
     check_state_dict,
+    refuse_other_names,
     split_group,
 )
-from dmuon_fsdp.param_groups import follow, routing
+from dmuon_fsdp.param_groups import follow, follow_fully_shard, routing
 from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.program import StepRun, StepStats
 from dmuon_fsdp.state import initial_state, restore_state
@@ -148,7 +150,10 @@ class DMuonFSDP(Optimizer):
         variant: str = "muon",
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
+        **other: Any,
     ):
+        # Other optimizers' names (AdamW's betas, fused, ...) get the name to use, not a bare TypeError.
+        refuse_other_names(other, list(inspect.signature(DMuonFSDP.__init__).parameters))
         check_lr(lr)  # before torch looks at params, as torch's own optimizers do
         self._options = Options(
             ns_dtype, comm_dtype, bucket_bytes, overlap, time_phases, nonfinite, check_grads, overlap_backward
@@ -159,6 +164,7 @@ class DMuonFSDP(Optimizer):
         self._indexed: list[tuple[int, Tensor]] = []  # (group index, parameter), optimizer order
         self._params: list[Tensor] = []  # the same parameters alone
         self._state_written = False  # a step or a load has written state (else swaps make it anew)
+        self._warned_no_grads = False  # a step without any gradient warns once
         self._programs = ProgramCache()
         self._backward = BackwardStart()
         self._in_backward = False  # steps start in backward (overlap_backward, where hooks allow)
@@ -219,7 +225,7 @@ class DMuonFSDP(Optimizer):
         Everything is validated, and torch's own checks run, before anything is registered, so a
         rejected group leaves the optimizer as it was."""
         new_groups, names = split_group(
-            param_group, len(self._indexed), self._names, self.defaults, self._route
+            param_group, len(self._indexed), self._names, self.defaults, self._route, len(self.param_groups)
         )
         meshes = check_new_groups(new_groups, names, self.defaults, self._muon_meshes, len(self.param_groups))
         count = len(self.param_groups)
@@ -264,7 +270,8 @@ class DMuonFSDP(Optimizer):
 
     def _follow_swaps(self) -> None:
         """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp.param_groups``);
-        asked before every step, so the common answer (none was) costs one pass of identity checks."""
+        asked before every step, so the common answer (none was) costs one pass of identity checks.
+        """
         known, groups = iter(self._params), self.param_groups
         if sum(len(g["params"]) for g in groups) == len(self._params) and all(
             p is next(known) for g in groups for p in g["params"]
@@ -288,6 +295,7 @@ class DMuonFSDP(Optimizer):
         if fresh:
             self._params = [p for _, p in self._indexed]
             self._programs, self._backward, self._route = ProgramCache(), BackwardStart(), None
+            self._warned_no_grads = False
             self._set_meshes(check_new_groups(self.param_groups, self._names, {}, {}))
 
     def state_dict(self) -> dict[str, Any]:
@@ -348,6 +356,17 @@ class DMuonFSDP(Optimizer):
         groups, options, settings = self.param_groups, self._options, self._settings()
         grads = [p.grad for p in self._params]
         key = StepKey.of(groups, grads, checked=options.check_grads or options.nonfinite != "ignore")
+        if not all(key.has_grad) and follow_fully_shard(groups, self._names):  # (they get no gradient)
+            self._follow_swaps()
+            return self._run()
+        if self._params and not any(key.has_grad) and not self._warned_no_grads:
+            self._warned_no_grads = True
+            warnings.warn(
+                "DMuonFSDP.step(): no parameter has a gradient, so nothing is updated (said once): was "
+                "backward run, and are these the model's parameters? (a model whose parameters were "
+                "replaced after the optimizer was built, as by fully_shard or to_empty, trains nothing)",
+                stacklevel=3,
+            )
         ready = self._programs.get(key, self._params, groups, self.state, self._names, settings)
         program = ready.program
         if program.in_backward:

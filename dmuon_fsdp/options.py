@@ -5,6 +5,7 @@ hyper-parameters and saved state that give clear errors before anything runs."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,44 @@ class Option:
         optimizer._options = dataclasses.replace(optimizer._options, **{self.name: value})
 
 
+# Other optimizers' names, with what DMuonFSDP has in their place.
+_ADAMW_BETAS = "AdamW's betas are adamw_betas here (Muon's own decay is momentum)"
+_ADAMW_KERNEL = "the AdamW side runs torch's fused AdamW where the device has one, else foreach: no flag"
+_NOT_ADAMW_FLAGS = {
+    "amsgrad": "the AdamW side is torch's AdamW without amsgrad: there is no such option",
+    "foreach": _ADAMW_KERNEL,
+    "fused": _ADAMW_KERNEL,
+    "maximize": "not supported: minimize the negated objective",
+    "capturable": "not supported: the step is not CUDA-graph capturable",
+    "differentiable": "not supported: the step runs under no_grad",
+    "decoupled_weight_decay": "weight decay is decoupled already (weight_decay, adamw_weight_decay)",
+}
+
+
+def refuse_other_names(given: dict[str, Any], known: list[str]) -> None:
+    """Keyword arguments the constructor does not take: a TypeError naming the first, with the
+    name to use when it is another optimizer's (AdamW's ``betas``, ...) or a near miss."""
+    for name in given:
+        hint = _ADAMW_BETAS if name == "betas" else _NOT_ADAMW_FLAGS.get(name)
+        if hint is None:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}?" if close else "see DMuonFSDP's docstring for its arguments"
+        raise TypeError(f"DMuonFSDP() got an unexpected keyword argument {name!r}: {hint}")
+
+
+def _refuse_other_group_names(group: dict[str, Any], index: int, has_muon: bool) -> None:
+    """A param group with AdamW's flags, or AdamW's ``betas`` where Muon parameters would take
+    it for nothing: a ValueError naming the group and what to use."""
+    for name, hint in _NOT_ADAMW_FLAGS.items():
+        if name in group:
+            raise ValueError(f"param group {index}: {name}: {hint}")
+    if has_muon and "betas" in group:
+        raise ValueError(
+            f"param group {index}: betas: the group holds Muon parameters, which have no betas; "
+            "give its AdamW part adamw_betas (in the group, or on the optimizer), Muon's decay is momentum"
+        )
+
+
 def check_lr(lr: Any) -> None:
     """An lr that is a tensor must hold one element (torch's rule)."""
     if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -100,9 +139,11 @@ def split_group(
     known: dict[Tensor, str],
     defaults: dict[str, Any],
     route: dict[Tensor, tuple[str, bool]] | None = None,
+    first_group: int = 0,
 ) -> tuple[list[dict[str, Any]], dict[Tensor, str]]:
     """Route a param group's parameters: a Muon group and/or an AdamW group, and each
-    parameter's name for messages (``known``: the names already taken). Without ``use_muon`` in
+    parameter's name for messages (``known``: the names already taken; ``first_group``: the
+    index the first new group will have, for messages). Without ``use_muon`` in
     the group, matrices go to Muon, or with ``route`` (parameter -> (name, to Muon), see
     ``param_groups.routing``) what it says. The group's own lr, betas, eps and weight_decay are
     AdamW's when all of its parameters go to AdamW (``use_muon=False``, or only vectors); in a
@@ -148,6 +189,7 @@ def split_group(
             raise ValueError(f"{name}: complex parameters are not supported")
         names[p] = name
         (muon if route_to_muon else adamw).append(item)
+    _refuse_other_group_names(group, first_group, bool(muon or not adamw))
     new_groups = []
     if muon or not adamw:
         new_groups.append({**group, "params": muon, "use_muon": True})

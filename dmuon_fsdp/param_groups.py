@@ -7,18 +7,32 @@ in ``param_groups``. Torch's own optimizers survive that because their state is 
 exists from construction, keyed by the tensors it was given. When the optimizer notices a
 replacement (cheaply, before every step), ``follow`` checks that it keeps order and shapes and
 moves names and state onto the new tensors (``placed_like``: exactly, onto the new layout).
+
+[Note: built before fully_shard]
+An optimizer built before ``fully_shard`` with nobody to swap its tensors (a plain loop) would
+hold the unsharded parameters, which FSDP2 took out of the model: they get no gradient, and
+nothing trains. FSDP2 marks each parameter it takes (``_fsdp_orig_uid``, which its own
+``FSDPParam`` keeps), so such a tensor is told apart without the model. ``param_groups(model)``
+and ``route=model`` remember the model of each tensor they name (weakly); from it
+``follow_fully_shard`` finds the ``FSDPParam`` that took the tensor and puts its sharded
+parameter in the tensor's place in ``param_groups``, and ``follow`` goes on as for Accelerate's
+swap. A marked tensor of an unknown model is an error at the first step, naming the parameter
+and the fix. Every rank shards the same modules, so every rank follows, or raises, alike.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dmuon_fsdp.options import check_new_groups
 from dmuon_fsdp.state import initial_state, local_shard
@@ -77,7 +91,55 @@ def routing(model: nn.Module, head: str | nn.Module | None = None) -> dict[Tenso
     an ambiguous guess of the head warns there too."""
     to_adamw = {p for module in _heads(model, head) for p in module.parameters()}
     to_adamw.update(e.weight for _, e in _named(model, nn.Embedding))
-    return {p: (name, p.ndim >= 2 and p not in to_adamw) for name, p in model.named_parameters()}
+    named = dict(model.named_parameters())
+    for p in named.values():
+        _MODEL_OF[p] = weakref.ref(model)
+    return {p: (name, p.ndim >= 2 and p not in to_adamw) for name, p in named.items()}
+
+
+# Each tensor ``routing`` named -> its model (weakly): see [Note: built before fully_shard].
+_MODEL_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def follow_fully_shard(groups: list[dict[str, Any]], names: dict[Tensor, str]) -> bool:
+    """Put in ``groups``, in place, the sharded parameter ``fully_shard`` made of each tensor
+    there that it took out of its model since (see [Note: built before fully_shard]); whether
+    any was. Raises when a taken tensor's model is unknown. Asked by a step where some parameter
+    has no gradient (as each taken one has none): one pass of attribute checks."""
+    replaced = False
+    made: dict[int, dict[int, Tensor]] = {}  # per model (by id): FSDP2's uid -> sharded parameter
+    for group in groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            uid = getattr(p, "_fsdp_orig_uid", None)
+            if uid is None:
+                continue
+            ref = _MODEL_OF.get(p)
+            model = ref() if ref is not None else None
+            if model is not None and id(model) not in made:
+                made[id(model)] = _sharded_by_uid(model)
+            new = made[id(model)].get(uid) if model is not None else None
+            if new is None:
+                raise RuntimeError(
+                    f"{names[p]} was replaced in its model by fully_shard after this optimizer was built "
+                    "(FSDP2 gives the module sharded parameters; the optimizer's unsharded one gets no "
+                    "gradient, so nothing would train): build the optimizer after fully_shard, or from "
+                    "param_groups(model) (or with route=model), which it then follows"
+                )
+            params[i], replaced = new, True
+            _MODEL_OF[new] = ref
+    return replaced
+
+
+def _sharded_by_uid(model: nn.Module) -> dict[int, Tensor]:
+    """FSDP2's sharded parameters in ``model``, by the uid of the tensor each replaced."""
+    out: dict[int, Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                out[fsdp_param._orig_param_uid] = fsdp_param.sharded_param
+    return out
 
 
 def param_groups(

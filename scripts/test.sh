@@ -4,7 +4,7 @@
 # Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh dev,recipes
+bash scripts/setup_env.sh dev,recipes,scale
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
 .venv/bin/python -m mypy

@@ -8,11 +8,17 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+import torch
+from torch import nn
+
 from dmuon_fsdp import DMuonFSDP
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SIGNATURE = inspect.signature(DMuonFSDP.__init__).parameters
-ARGUMENTS = [name for name in SIGNATURE if name not in ("self", "params")]
+ARGUMENTS = [  # (``**other`` only catches other optimizers' names, to answer them)
+    name for name, p in SIGNATURE.items() if name not in ("self", "params") and p.kind is not p.VAR_KEYWORD
+]
 
 
 def value(text: str):
@@ -70,3 +76,49 @@ def test_the_readme_table_names_every_argument_with_its_default():
     assert sorted(documented) == sorted(ARGUMENTS)
     for name in ARGUMENTS:
         assert documented[name] == SIGNATURE[name].default, name
+
+
+def _params():
+    return [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))]
+
+
+@pytest.mark.parametrize(
+    "given, answer",
+    [
+        ({"betas": (0.9, 0.95)}, "'betas': AdamW's betas are adamw_betas here"),
+        ({"amsgrad": True}, "'amsgrad': the AdamW side is torch's AdamW without amsgrad"),
+        ({"fused": True}, "'fused': the AdamW side runs torch's fused AdamW where the device has one"),
+        ({"foreach": False}, "'foreach': the AdamW side runs torch's fused AdamW where the device has one"),
+        ({"maximize": True}, "'maximize': not supported"),
+        ({"adamw_beta": (0.9, 0.9)}, "'adamw_beta': did you mean adamw_betas?"),
+        ({"ns_iters": 5}, "'ns_iters': did you mean ns_steps?"),
+    ],
+)
+def test_other_optimizers_names_are_answered_with_the_name_to_use(given, answer):
+    with pytest.raises(
+        TypeError, match=re.escape(f"DMuonFSDP() got an unexpected keyword argument {answer}")
+    ):
+        DMuonFSDP(_params(), **given)
+
+
+@pytest.mark.parametrize(
+    "groups, answer",
+    [
+        (
+            lambda w, b: [{"params": [w, b], "betas": (0.9, 0.9)}],
+            "param group 0: betas: the group holds Muon",
+        ),
+        (lambda w, b: [{"params": [w]}, {"params": [b], "amsgrad": True}], "param group 1: amsgrad: "),
+        (lambda w, b: [{"params": [w, b], "fused": True}], "param group 0: fused: "),
+    ],
+)
+def test_param_groups_with_other_optimizers_names_are_refused_naming_the_group(groups, answer):
+    with pytest.raises(ValueError, match=re.escape(answer)):
+        DMuonFSDP(groups(*_params()))
+
+
+def test_an_adamw_group_takes_its_own_betas_and_lr():
+    w, b = _params()
+    opt = DMuonFSDP([{"params": [w]}, {"params": [b], "lr": 3e-3, "betas": (0.8, 0.9)}])
+    assert [(g["use_muon"], g["lr"]) for g in opt.param_groups] == [(True, 0.02), (False, 3e-3)]
+    assert opt.param_groups[1]["betas"] == (0.8, 0.9)

@@ -1,9 +1,11 @@
-"""Parameters replaced in ``param_groups`` (what Accelerate does after ``fully_shard``): the
-optimizer follows them by position and continues exactly as if built after sharding."""
+"""Parameters replaced in ``param_groups`` (what Accelerate does after ``fully_shard``), or taken
+out of the model by ``fully_shard`` with nobody swapping them (a plain loop): the optimizer
+follows them and continues exactly as if built after sharding."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -116,6 +118,75 @@ def test_swapped_parameters_continue_like_an_optimizer_built_after_sharding(worl
         assert after.keys() == ref_after.keys()
         for key in after:
             assert torch.equal(after[key], ref_after[key]), key
+
+
+def built_before_fully_shard(rank, world_size, steps_before, swap):
+    """``steps_before`` steps on the unsharded model, then ``fully_shard``, with Accelerate's swap
+    or (``swap=False``) none, as a plain loop has; then 3 steps: the losses, the final parameters
+    and state, and what was warned."""
+    model = _model()
+    opt = DMuonFSDP(param_groups(model), ns_dtype=torch.float32)
+    _train(model, opt, range(steps_before))
+    names = dict(model.named_parameters())
+    _shard(model)
+    if swap:
+        _swap_like_accelerate(opt, model, names)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        losses = _train(model, opt, range(steps_before, steps_before + 3))
+    return losses, _snapshot(model, opt), [str(w.message) for w in warned if "DMuonFSDP" in str(w.message)]
+
+
+def plain_loop_and_swapped(rank, world_size):
+    return [
+        [built_before_fully_shard(rank, world_size, steps, swap) for swap in (False, True)]
+        for steps in (0, 2)
+    ]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_an_optimizer_built_before_fully_shard_follows_the_sharded_parameters(world_size):
+    """A plain loop (nobody swaps): the first step after ``fully_shard`` follows the parameters it
+    put in the model, exactly as after Accelerate's swap (shown above to equal an optimizer built
+    after sharding), before any step (state made anew) and after 2 (state moved)."""
+    for plain, swapped in (pair for rank in run_ranks(plain_loop_and_swapped, world_size) for pair in rank):
+        (losses, after, warned), (swapped_losses, swapped_after, _) = plain, swapped
+        assert losses == swapped_losses and len(set(losses)) == 3  # the loss moves: it trains
+        assert after.keys() == swapped_after.keys()
+        for key in after:
+            assert torch.equal(after[key], swapped_after[key]), key
+        assert not warned, warned
+
+
+def unknown_model_stops(rank, world_size):
+    """Built from ``model.parameters()`` (no names, no model): the first step after
+    ``fully_shard`` raises on every rank, before anything moves."""
+    model = _model()
+    opt = DMuonFSDP(model.parameters(), ns_dtype=torch.float32)
+    _shard(model)
+    try:
+        _train(model, opt, [0])
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_an_optimizer_built_before_fully_shard_of_an_unknown_model_says_so_on_every_rank():
+    messages = run_ranks(unknown_model_stops, 2)
+    assert len(set(messages)) == 1 and messages[0] is not None
+    assert messages[0].startswith(
+        "parameter 0 (shape (11, 8)) was replaced in its model by fully_shard after "
+    ), messages[0]
+    assert "build the optimizer after fully_shard, or from param_groups(model)" in messages[0]
+
+
+def test_a_step_without_any_gradient_warns_once():
+    params, opt = _plain_opt()
+    with pytest.warns(UserWarning, match=r"no parameter has a gradient, so nothing is updated") as warned:
+        opt.step()
+        opt.step()
+    assert len([w for w in warned if "no parameter has a gradient" in str(w.message)]) == 1
+    _step(params, opt)  # with gradients: no word
 
 
 def resharded_state_moves_exactly(rank, world_size):

@@ -1,8 +1,8 @@
 """The torchtitan snippet of docs/integrations.md, run against torchtitan 0.3.0 on 2 CPU ranks.
 
-torchtitan is not a dependency of the project's test environment, so there this module skips. It
-runs in a venv with torch 2.13.0 (the CPU wheel), ``torchtitan==0.3.0``, ``triton==3.9.0``
-(torchtitan's model code imports it; CPU torch wheels do not bring it) and this package.
+The test environment installs torchtitan with the ``scale`` extra (``torchtitan==0.3.0``, and
+``triton==3.9.0``, which torchtitan's model code imports and torch's CPU wheels do not bring);
+without that extra this module skips.
 
 torchtitan's own parts: the ``Trainer.Config`` of Llama 3's ``debugmodel`` from its config registry
 (cut to 2 layers), its ``ParallelDims`` meshes, ``parallelize_llama`` (selective activation
@@ -47,13 +47,12 @@ import pytest
 pytest.importorskip(
     "torchtitan",
     minversion="0.3.0",
-    reason="torchtitan is not installed in the project's test environment (it is no dependency); "
-    "this test runs in a venv with torchtitan==0.3.0 and triton==3.9.0 added",
+    reason="torchtitan is not installed: the scale extra brings it (pip install -e '.[dev,recipes,scale]')",
 )
 pytest.importorskip(
     "triton",
     reason="torchtitan 0.3.0's model code imports triton (torchtitan/distributed/minimal_async_ep/"
-    "kernels.py:10), which torch's CPU wheels do not bring: pip install triton==3.9.0",
+    "kernels.py:10), which torch's CPU wheels do not bring: the scale extra brings triton==3.9.0",
 )
 
 import torch

@@ -26,11 +26,12 @@ calls the hooks right after issuing the reduction that made the gradient):
 in backward") gives the measurements behind that.
 
 Gradients that changed after their bucket started (``clip_grad_norm_``, ``GradScaler.unscale_``,
-a second backward accumulating into them) are seen at ``step`` from a hook firing again, the
-gradients' identity and version counters, or their norms; the flags then ask for
-``Verdict.REDO`` and every rank runs the step again from the final gradients, as a plain step
-(warned once). ``clip_grad_norm_`` here clips as torch's does but leaves the gradients untouched
-when the clip coefficient is 1, so only the steps that do clip are redone.
+a pipelining schedule's ``scale_grads``, a second backward accumulating into them) are seen at
+``step`` from a hook firing again, the gradients' identity and version counters, or their norms;
+the flags then ask for ``Verdict.REDO`` and every rank runs the step again from the final
+gradients, as a plain step (warned once). ``clip_grad_norm_`` here clips as torch's does but
+leaves the gradients untouched when the clip coefficient is 1, so only the steps that do clip
+are redone.
 """
 
 from __future__ import annotations
@@ -263,10 +264,11 @@ class BackwardStart:
                 self._warned = True
                 warnings.warn(
                     "DMuonFSDP(overlap_backward=True): gradients changed after backward began the step "
-                    "(clip_grad_norm_, GradScaler.unscale_, or a backward accumulating into synced "
-                    "gradients), so the step was redone from the final gradients; clip with "
-                    "dmuon_fsdp.clip_grad_norm_, and under FSDP2 accumulate with "
-                    "set_requires_gradient_sync(False), to keep the overlap (warned once)",
+                    "(clip_grad_norm_, GradScaler.unscale_, a pipelining schedule's scale_grads, or a "
+                    "backward accumulating into synced gradients), so the step was redone from the final "
+                    "gradients; clip with dmuon_fsdp.clip_grad_norm_, build pipelining schedules with "
+                    "scale_grads=False (as torchtitan does; scale the loss instead), and under FSDP2 "
+                    "accumulate with set_requires_gradient_sync(False), to keep the overlap (warned once)",
                     stacklevel=4,
                 )
             progress = Progress.of(program, options.time_phases)

@@ -130,6 +130,16 @@ def test_bench_host_counts_ops_and_host_reads(tmp_path):
         assert result[case]["params"] == 111
 
 
+def test_bench_buckets_smaller_buckets_are_more_and_take_smaller_buffers(tmp_path):
+    out = tmp_path / "buckets.json"
+    _run("bench_buckets", "--preset", "tiny", "--world-size", "4", "--mib", "0.004", "1", "--out", out)
+    small, large = json.loads(out.read_text())
+    assert (small["bucket_mib"], large["bucket_mib"]) == (0.004, 1)
+    assert small["buckets"] > large["buckets"] == 1, (small, large)
+    assert 0 < small["buffer_bytes"] < large["buffer_bytes"], (small, large)
+    assert small["muon_shard_bytes"] == large["muon_shard_bytes"] > 0
+
+
 def test_bench_ns_forms_times_both_forms_per_shape_and_the_step(tmp_path):
     out = tmp_path / "forms.json"
     _run("bench_ns_forms", "--presets", "tiny", "--repeats", "1", "--out", out)

@@ -168,6 +168,7 @@ class DMuonFSDP(Optimizer):
         self._programs = ProgramCache()
         self._backward = BackwardStart()
         self._in_backward = False  # steps start in backward (overlap_backward, where hooks allow)
+        self._no_overlap_reason: str | None = None  # why not, said at the next step
         self._route = routing(route) if route is not None else None
         defaults = dict(
             lr=lr,
@@ -254,19 +255,20 @@ class DMuonFSDP(Optimizer):
     def _hooks_see_final_grads(self) -> bool:
         """Whether every Muon gradient is final when its post-accumulate-grad hook fires: FSDP2 and
         DTensor parameters, and plain tensors in one process, yes; plain tensors in a job of
-        several ranks (DDP) are all-reduced after their hooks, so such a job steps plainly."""
+        several ranks (DDP) are all-reduced after their hooks, so such a job steps plainly, which
+        the next step says (not construction: an optimizer built before ``fully_shard`` holds
+        plain tensors until its first step follows the sharded ones)."""
         world = comm.default_world_size()
         muon = [p for group in self.param_groups if group["use_muon"] for p in group["params"]]
         plain = next((p for p in muon if not isinstance(p, DTensor)), None)
+        self._no_overlap_reason = None
         if world > 1 and plain is not None:
-            warnings.warn(
+            self._no_overlap_reason = (
                 f"DMuonFSDP(overlap_backward=True): {self._names[plain]} is a plain tensor in a job of "
                 f"{world} ranks (replicated, as under DDP), whose gradients are all-reduced after their "
-                "hooks fire; the steps run after backward instead",
-                stacklevel=4,
+                "hooks fire; the steps run after backward instead"
             )
-            return False
-        return True
+        return self._no_overlap_reason is None
 
     def _follow_swaps(self) -> None:
         """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp.param_groups``);
@@ -359,6 +361,9 @@ class DMuonFSDP(Optimizer):
         if not all(key.has_grad) and follow_fully_shard(groups, self._names):  # (they get no gradient)
             self._follow_swaps()
             return self._run()
+        if self._no_overlap_reason is not None:
+            warnings.warn(self._no_overlap_reason, stacklevel=3)
+            self._no_overlap_reason = None
         if self._params and not any(key.has_grad) and not self._warned_no_grads:
             self._warned_no_grads = True
             warnings.warn(

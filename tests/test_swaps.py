@@ -17,9 +17,12 @@ from dmuon_fsdp import DMuonFSDP, param_groups
 from tests.support.spawn import cpu_mesh, run_ranks
 
 
-def _model() -> nn.Module:
+def _model(hidden=(13, 5)) -> nn.Module:
+    """An embedding, Linear layers out to each of ``hidden`` (ReLU after the first) and a head."""
     torch.manual_seed(0)  # rows 13 and 5 leave uneven shards at W=2 and an empty one at W=3
-    return nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 5), nn.Linear(5, 11))
+    widths = (8, *hidden)
+    layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)]
+    return nn.Sequential(nn.Embedding(11, 8), layers[0], nn.ReLU(), *layers[1:], nn.Linear(widths[-1], 11))
 
 
 def _shard(model: nn.Module) -> nn.Module:
@@ -37,7 +40,8 @@ def _swap_like_accelerate(opt, model: nn.Module, before: dict[str, nn.Parameter]
         group["params"] = [by_id[id(p)] for p in group["params"]]
 
 
-def _train(model, opt, steps) -> list[float]:
+def _train(model, opt, steps, started=None) -> list[float]:
+    """Steps on token batches; ``started`` gets each step's buckets started in backward."""
     losses = []
     for step in steps:
         g = torch.Generator().manual_seed(100 + step)
@@ -47,6 +51,8 @@ def _train(model, opt, steps) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if started is not None:
+            started.append(opt.last_step_stats.started_in_backward)
     return losses
 
 
@@ -120,21 +126,24 @@ def test_swapped_parameters_continue_like_an_optimizer_built_after_sharding(worl
             assert torch.equal(after[key], ref_after[key]), key
 
 
-def built_before_fully_shard(rank, world_size, steps_before, swap):
+def built_before_fully_shard(rank, world_size, steps_before, swap, hidden=(13, 5), **options):
     """``steps_before`` steps on the unsharded model, then ``fully_shard``, with Accelerate's swap
     or (``swap=False``) none, as a plain loop has; then 3 steps: the losses, the final parameters
-    and state, and what was warned."""
-    model = _model()
-    opt = DMuonFSDP(param_groups(model), ns_dtype=torch.float32)
-    _train(model, opt, range(steps_before))
-    names = dict(model.named_parameters())
-    _shard(model)
-    if swap:
-        _swap_like_accelerate(opt, model, names)
+    and state, what was warned (from construction on), and each step's buckets started in
+    backward."""
+    model = _model(hidden)
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        losses = _train(model, opt, range(steps_before, steps_before + 3))
-    return losses, _snapshot(model, opt), [str(w.message) for w in warned if "DMuonFSDP" in str(w.message)]
+        opt = DMuonFSDP(param_groups(model), ns_dtype=torch.float32, **options)
+        _train(model, opt, range(steps_before))
+        names = dict(model.named_parameters())
+        _shard(model)
+        if swap:
+            _swap_like_accelerate(opt, model, names)
+        started = []
+        losses = _train(model, opt, range(steps_before, steps_before + 3), started)
+    said = [str(w.message) for w in warned if "DMuonFSDP" in str(w.message)]
+    return losses, _snapshot(model, opt), said, started
 
 
 def plain_loop_and_swapped(rank, world_size):
@@ -150,12 +159,34 @@ def test_an_optimizer_built_before_fully_shard_follows_the_sharded_parameters(wo
     put in the model, exactly as after Accelerate's swap (shown above to equal an optimizer built
     after sharding), before any step (state made anew) and after 2 (state moved)."""
     for plain, swapped in (pair for rank in run_ranks(plain_loop_and_swapped, world_size) for pair in rank):
-        (losses, after, warned), (swapped_losses, swapped_after, _) = plain, swapped
+        (losses, after, warned, _), (swapped_losses, swapped_after, _, _) = plain, swapped
         assert losses == swapped_losses and len(set(losses)) == 3  # the loss moves: it trains
         assert after.keys() == swapped_after.keys()
         for key in after:
             assert torch.equal(after[key], swapped_after[key]), key
         assert not warned, warned
+
+
+def built_before_with_overlap(rank, world_size):
+    return [
+        built_before_fully_shard(
+            rank, world_size, 0, False, (13, 5, 9, 7, 13), bucket_bytes=256, overlap_backward=o
+        )
+        for o in (False, True)
+    ]
+
+
+def test_built_before_fully_shard_with_overlap_backward_starts_steps_in_backward_once_it_follows():
+    """Before ``fully_shard`` the parameters are plain tensors, as under DDP, which cannot start
+    steps in backward; after the first step follows the sharded ones, the later steps do, with
+    the plain step's results and no warning."""
+    for plain, overlapped in run_ranks(built_before_with_overlap, 2):
+        assert plain[0] == overlapped[0]
+        for key in plain[1]:
+            assert torch.equal(plain[1][key], overlapped[1][key]), key
+        assert plain[2] == overlapped[2] == []
+        # the first step follows and plans; from the next on, steps start in backward
+        assert overlapped[3][0] == 0 and all(started > 0 for started in overlapped[3][1:]), overlapped[3]
 
 
 def unknown_model_stops(rank, world_size):

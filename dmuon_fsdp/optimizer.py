@@ -297,7 +297,7 @@ class DMuonFSDP(Optimizer):
         if fresh:
             self._params = [p for _, p in self._indexed]
             self._programs, self._backward, self._route = ProgramCache(), BackwardStart(), None
-            self._warned_no_grads = False
+            self._warned_no_grads, self._no_overlap_reason = False, None
             self._set_meshes(check_new_groups(self.param_groups, self._names, {}, {}))
 
     def state_dict(self) -> dict[str, Any]:

@@ -272,8 +272,7 @@ class DMuonFSDP(Optimizer):
 
     def _follow_swaps(self) -> None:
         """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp.param_groups``);
-        asked before every step, so the common answer (none was) costs one pass of identity checks.
-        """
+        asked before every step, so the common answer (none was) costs one pass of identity checks."""
         known, groups = iter(self._params), self.param_groups
         if sum(len(g["params"]) for g in groups) == len(self._params) and all(
             p is next(known) for g in groups for p in g["params"]

@@ -52,7 +52,7 @@ from dmuon_fsdp.program import StepProgram, StepRun, StepStats
 from dmuon_fsdp.state import MuonStep, local_shard, muon_steps
 
 if TYPE_CHECKING:
-    from dmuon_fsdp.options import Options
+    from dmuon_fsdp.config import Options
 
 
 @dataclass

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dmuon_fsdp import comm
 from dmuon_fsdp.checks import Flags, StepKey, nonfinite_groups
+from dmuon_fsdp.config import Settings
 from dmuon_fsdp.exchange import (
     BACK,
     SLOTS,
@@ -60,25 +60,6 @@ from dmuon_fsdp.program import (
 )
 from dmuon_fsdp.state import adamw_kernel, adjusted_lr, lerp_math_dtype, local_shard
 from dmuon_fsdp.variants import RowBatch, RowStep, RowVariant
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a program is built with besides the parameters, resolved by the optimizer."""
-
-    site: comm.ExchangeSite
-    device: torch.device
-    ns_dtype: torch.dtype
-    comm_dtype: torch.dtype
-    bucket_bytes: int
-    check_grads: bool
-    nonfinite: str
-    in_backward: bool  # steps start in backward (``dmuon_fsdp.backward``): its plan, groups, carrier
-
-
-def wire_group(settings: Settings) -> comm.ExchangeGroup:
-    """The group the exchanges run on."""
-    return settings.site.backward if settings.in_backward else settings.site.group
 
 
 def bind(
@@ -131,7 +112,6 @@ def bind(
         buckets=buckets,
         flags=flags,
         carrier=schedule.carrier,
-        in_backward=settings.in_backward,
         counts=counts,
         generation=pool.generation,
     )
@@ -249,7 +229,7 @@ class _Binder:
         regions = self.pool.regions()
         to, back = regions[TO, k % SLOTS], regions[BACK, k % SLOTS]
         batches, matrix, row_steps, owned_rows = self.batches(bucket.owned, to, back)
-        group = wire_group(self.settings).process_group
+        group = self.settings.exchange_group.process_group
         comm_dtype, ns_dtype = self.settings.comm_dtype, self.settings.ns_dtype
 
         def region(t: Transfer) -> Tensor:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dmuon_fsdp import comm
-from dmuon_fsdp.binding import Settings, bind, wire_group
+from dmuon_fsdp.binding import bind
 from dmuon_fsdp.checks import (
     FLAG_ELEMENTS,
     StepKey,
@@ -28,6 +28,7 @@ from dmuon_fsdp.checks import (
     raise_alike,
     stale_layouts,
 )
+from dmuon_fsdp.config import Settings, row_variant
 from dmuon_fsdp.exchange import (
     SLOTS,
     PerRow,
@@ -45,7 +46,6 @@ from dmuon_fsdp.program import (
     StepProgram,
 )
 from dmuon_fsdp.state import restore_state
-from dmuon_fsdp.variants import row_variant
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ def plan_program(
         _raise_alike(groups, state, names, settings, shared)
     # Options set in param_groups since construction, checked once every rank agreed on them
     check_groups(groups)
-    exchange = wire_group(settings)  # after the agreement: every rank asks for the group alike
+    exchange = settings.exchange_group  # after the agreement: every rank asks for the group alike
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flag_elements = FLAG_ELEMENTS if key.checked or settings.in_backward else 0
     rowed = frozenset(j for j, form in enumerate(forms) if form.variant is not None)

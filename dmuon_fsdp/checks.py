@@ -38,39 +38,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_fsdp import comm
+from dmuon_fsdp.config import HYPER, row_state_keys, structural_options
 from dmuon_fsdp.state import local_shard
-from dmuon_fsdp.variants import VARIANTS, row_state_keys
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     # A Muon matrix as the plans see it: its name, then whatever else a plan depends on.
     Identity = tuple[str, Unpack[tuple[object, ...]]]
-
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
-
-# Muon group options built into a step program: changing one rebuilds it (with the variants').
-STRUCTURAL = (
-    "ns_steps",
-    "ns_coefficients",
-    "ns_algorithm",
-    "eps",
-    "adjust_lr_fn",
-    "flatten",
-    "split_sizes",
-    "num_heads",
-    "variant",
-)
-
-
-def structural_options() -> tuple[str, ...]:
-    """``STRUCTURAL`` and every row variant's options."""
-    return STRUCTURAL + tuple(option for v in VARIANTS.values() if v is not None for option in v.options)
-
-
-# Per-step options that every rank must step with alike (read at every step, so not in the key):
-# checked through the flags too, without a rebuild when they change alike (a scheduler's lr).
-HYPER = {True: ("lr", "momentum", "nesterov", "weight_decay"), False: ("lr", "betas", "eps", "weight_decay")}
 
 FLAG_ELEMENTS = 19  # check elements per peer in the exchange that carries them
 INVALID_SLOT, NONFINITE_SLOT, REDO_SLOT = 0, 1, 2  # then the digest's four bytes, then their negations

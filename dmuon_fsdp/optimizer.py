@@ -15,13 +15,11 @@ from torch.optim import Optimizer
 
 from dmuon_fsdp import comm
 from dmuon_fsdp.backward import BackwardStart
-from dmuon_fsdp.binding import Settings
 from dmuon_fsdp.cache import ProgramCache
 from dmuon_fsdp.checks import StepKey, Verdict
+from dmuon_fsdp.config import Option, Options, Settings
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
 from dmuon_fsdp.options import (
-    Option,
-    Options,
     check_lr,
     check_new_groups,
     check_state_dict,
@@ -167,7 +165,6 @@ class DMuonFSDP(Optimizer):
         self._warned_no_grads = False  # a step without any gradient warns once
         self._programs = ProgramCache()
         self._backward = BackwardStart()
-        self._in_backward = False  # steps start in backward (overlap_backward, where hooks allow)
         self._no_overlap_reason: str | None = None  # why not, said at the next step
         self._route = routing(route) if route is not None else None
         defaults = dict(
@@ -206,12 +203,12 @@ class DMuonFSDP(Optimizer):
         ``exchange_ranks[i]``): every rank linked by the meshes the Muon parameters live on
         (several views of one job's ranks may mix, as torchtitan's dense and expert meshes),
         or every rank of the job for plain tensors."""
-        return self._site.ranks
+        return self._settings.site.ranks
 
     @property
     def exchange_rank(self) -> int:
         """This rank's index in ``plan`` (its place among ``exchange_ranks``); local, no collective."""
-        return self._site.rank
+        return self._settings.site.rank
 
     def param_name(self, param: Tensor) -> str:
         """The name errors give ``param``: its qualified name when one was given (named groups,
@@ -247,10 +244,32 @@ class DMuonFSDP(Optimizer):
     def _set_meshes(self, meshes: dict[Any, str]) -> None:
         """The parameters or their meshes changed: a new exchange site and a new program."""
         self._muon_meshes = meshes
-        self._site = comm.exchange_site(meshes, self._params)
         self._programs.clear()
         self._backward.disarm()
-        self._in_backward = self._options.overlap_backward and self._hooks_see_final_grads()
+        in_backward = self._options.overlap_backward and self._hooks_see_final_grads()
+        self._settings = self._resolve(comm.exchange_site(meshes, self._params), in_backward)
+
+    def _set_options(self, options: Options) -> None:
+        """A settable option changed (``config.Option``)."""
+        self._options = options
+        self._settings = self._resolve(self._settings.site, self._settings.in_backward)
+
+    def _resolve(self, site: comm.ExchangeSite, in_backward: bool) -> Settings:
+        """The settings steps run with: the options resolved for the parameters' device."""
+        options = self._options
+        device = self._params[0].device if self._params else torch.device("cpu")
+        ns_dtype = options.ns_dtype or default_ns_dtype(device)
+        comm_dtype = options.comm_dtype or ns_dtype
+        return Settings(
+            site,
+            device,
+            ns_dtype,
+            comm_dtype,
+            options.bucket_bytes,
+            options.check_grads,
+            options.nonfinite,
+            in_backward,
+        )
 
     def _hooks_see_final_grads(self) -> bool:
         """Whether every Muon gradient is final when its post-accumulate-grad hook fires: FSDP2 and
@@ -354,7 +373,9 @@ class DMuonFSDP(Optimizer):
 
     def _run(self) -> Verdict:
         """One step with the program for this step's key (see ``dmuon_fsdp.program``)."""
-        groups, options, settings = self.param_groups, self._options, self._settings()
+        if self._params and self._params[0].device != self._settings.device:  # moved (model.to, to_empty)
+            self._settings = self._resolve(self._settings.site, self._settings.in_backward)
+        groups, options, settings = self.param_groups, self._options, self._settings
         grads = [p.grad for p in self._params]
         key = StepKey.of(groups, grads, checked=options.check_grads or options.nonfinite != "ignore")
         if not all(key.has_grad) and follow_fully_shard(groups, self._names):  # (they get no gradient)
@@ -373,7 +394,7 @@ class DMuonFSDP(Optimizer):
             )
         ready = self._programs.get(key, self._params, groups, self.state, self._names, settings)
         program = ready.program
-        if program.in_backward:
+        if settings.in_backward:
             verdict, stats = self._backward.run(program, grads, groups, key, options, ready.bound)
         else:
             run = StepRun(program, StepStats(settings.device, timed=options.time_phases))
@@ -387,24 +408,9 @@ class DMuonFSDP(Optimizer):
                 groups, self.state, self._names, settings, shared=program.flags is not None
             )
         self._state_written |= verdict is Verdict.GO
-        if program.in_backward and verdict is not Verdict.REBUILD:
+        if settings.in_backward and verdict is not Verdict.REBUILD:
             if self._programs.repeated:  # the next backward starts this program's buckets
                 self._backward.arm(program, groups, options.time_phases)
             else:  # gradient sets that change: steps run after backward, nothing started in vain
                 self._backward.disarm()
         return verdict
-
-    def _settings(self) -> Settings:
-        options = self._options
-        device = self._params[0].device if self._params else torch.device("cpu")
-        ns_dtype = options.ns_dtype or default_ns_dtype(device)
-        return Settings(
-            self._site,
-            device,
-            ns_dtype,
-            options.comm_dtype or ns_dtype,
-            options.bucket_bytes,
-            options.check_grads,
-            options.nonfinite,
-            self._in_backward,
-        )

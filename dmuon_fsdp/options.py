@@ -1,85 +1,22 @@
-"""The optimizer's options and their checks: the record of the optimizer-wide options and the
-attributes that expose them (``Options``, ``Option``), and the checks of param groups,
-hyper-parameters and saved state that give clear errors before anything runs."""
+"""The checks of param groups, their options and saved state that give clear errors before
+anything runs, and hints for other optimizers' names (the options themselves and their
+vocabularies are in ``dmuon_fsdp.config``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
 from dmuon_fsdp import comm
-from dmuon_fsdp.checks import NONFINITE_POLICIES
+from dmuon_fsdp.config import ADJUST_LR_FNS, NS_ALGORITHMS, OPTIMIZER_WIDE, VARIANTS, row_state_keys
 from dmuon_fsdp.layouts import describe_params
-from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
+from dmuon_fsdp.newton_schulz import resolve_coefficients
 from dmuon_fsdp.state import state_keys
-from dmuon_fsdp.variants import VARIANTS, row_shape, row_state_keys
-
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclass(frozen=True)
-class Options:
-    """DMuonFSDP's optimizer-wide options, checked when made (see the README's argument table)."""
-
-    ns_dtype: torch.dtype | None = None
-    comm_dtype: torch.dtype | None = None
-    bucket_bytes: int = 128 * 2**20
-    overlap: bool = True
-    time_phases: bool = False
-    nonfinite: str = "raise"
-    check_grads: bool = True
-    overlap_backward: bool = False
-
-    def __post_init__(self) -> None:
-        if self.ns_dtype is not None and not (
-            isinstance(self.ns_dtype, torch.dtype) and self.ns_dtype.is_floating_point
-        ):
-            raise ValueError(f"ns_dtype must be a floating-point torch.dtype or None, got {self.ns_dtype!r}")
-        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype must be one of {COMM_DTYPES} or None, got {self.comm_dtype}")
-        if (
-            isinstance(self.bucket_bytes, bool)
-            or not isinstance(self.bucket_bytes, int)
-            or self.bucket_bytes < 1
-        ):
-            raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
-        for name in ("overlap", "time_phases", "check_grads", "overlap_backward"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-
-
-OPTIMIZER_WIDE = tuple(f.name for f in dataclasses.fields(Options))
-
-
-class Option:
-    """An optimizer-wide option as an attribute of the optimizer (its ``_options`` record).
-    Assignment checks the value as construction does; ``settable=False`` options shape the
-    step program's buffers and are fixed at construction."""
-
-    def __init__(self, settable: bool = True) -> None:
-        self.settable = settable
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, optimizer: Any, owner: type | None = None) -> Any:
-        return self if optimizer is None else getattr(optimizer._options, self.name)
-
-    def __set__(self, optimizer: Any, value: Any) -> None:
-        if not self.settable:
-            raise AttributeError(f"{self.name} is fixed at construction: build a new optimizer to change it")
-        optimizer._options = dataclasses.replace(optimizer._options, **{self.name: value})
-
+from dmuon_fsdp.variants import row_shape
 
 # Other optimizers' names, with what DMuonFSDP has in their place.
 _ADAMW_BETAS = "AdamW's betas are adamw_betas here (Muon's own decay is momentum)"

@@ -65,7 +65,7 @@ from dmuon_fsdp.planner import Plan
 from dmuon_fsdp.state import AdamWKernel, MuonStep, adamw, local_shard, muon_input, muon_steps
 
 if TYPE_CHECKING:
-    from dmuon_fsdp.options import Options
+    from dmuon_fsdp.config import Options
     from dmuon_fsdp.variants import RowStep, RowVariant
 
 
@@ -258,7 +258,6 @@ class StepProgram:
     buckets: tuple[BucketProgram, ...]
     flags: Flags | None
     carrier: int
-    in_backward: bool
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields
     generation: int
 

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as torch_adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-from dmuon_fsdp.variants import row_shape, row_state_keys, row_state_like, row_variant
+from dmuon_fsdp.config import row_state_keys, row_variant
+from dmuon_fsdp.variants import row_shape, row_state_like
 
 
 def local_shard(t: Tensor) -> Tensor:

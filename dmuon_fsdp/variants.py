@@ -1,5 +1,4 @@
-"""Muon's variants by the name the ``variant`` option takes, and the one interface a variant
-plugs into the step program through: ``RowVariant``.
+"""The one interface a variant of Muon plugs into the step program through: ``RowVariant``.
 
 [Note: row variants] A row variant keeps one float32 number of state per row of each Muon matrix
 (its *row state*, held like the parameter's rows: ``row_state_like``) and, on the matrix's
@@ -10,11 +9,12 @@ new state and the factors back with the results (``exchange.PerRow``), the owner
 variant's ``RowStep`` after the bucket's Newton-Schulz, and the factors scale the update
 (``program.Updates``). A variant's options must be in every Muon group (``DMuonFSDP``'s
 arguments and defaults): each is checked in every Muon group, whatever its variant, and is part
-of the step key (``checks.structural_options``); its settings become part of each matrix's NS
+of the step key (``config.structural_options``); its settings become part of each matrix's NS
 form, so matrices are batched apart from those with other settings. Its state entry
 (``state_key``) must not be one of Muon's or AdamW's.
 Non-goals: element-wise or column state, variants that change the Newton-Schulz iteration.
-NorMuon (``dmuon_fsdp.normuon``) is one; plain Muon is none (``VARIANTS["muon"]`` is None).
+NorMuon (``dmuon_fsdp.normuon``) is one; plain Muon is none. The registry by name is
+``dmuon_fsdp.config.VARIANTS``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
-
-from dmuon_fsdp.normuon import NORMUON
 
 
 @dataclass(frozen=True)
@@ -98,19 +96,6 @@ class RowVariant(Protocol):
         may be in flight) and reads nothing (when the program is only measured, ``take`` and
         the stacks give meta tensors)."""
         ...
-
-
-VARIANTS: dict[str, RowVariant | None] = {"muon": None, NORMUON.name: NORMUON}
-
-
-def row_state_keys() -> frozenset[str]:
-    """The state keys of every row variant's row state."""
-    return frozenset(v.state_key for v in VARIANTS.values() if v is not None)
-
-
-def row_variant(group: dict[str, Any]) -> RowVariant | None:
-    """The row variant of a param group, or None for plain Muon and AdamW groups."""
-    return VARIANTS[group["variant"]] if group["use_muon"] else None
 
 
 def row_dims(param: Tensor, flatten: bool) -> int:

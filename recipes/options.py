@@ -10,8 +10,7 @@ import argparse
 import math
 from pathlib import Path
 
-from dmuon_fsdp.newton_schulz import NS_ALGORITHMS
-from dmuon_fsdp.variants import VARIANTS
+from dmuon_fsdp.config import NS_ALGORITHMS, VARIANTS
 from recipes.model import PRESETS
 
 DEFAULT_LR = {"dmuon": 0.01, "torch-muon": 0.01, "adamw": 3e-3}  # from scripts/lr_sweep.sh

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.variants import VARIANTS
+from dmuon_fsdp.config import VARIANTS
 from tests.support.layout_runs import (
     OPTIONS,
     SHAPES,

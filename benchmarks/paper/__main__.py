@@ -13,7 +13,7 @@ from benchmarks.paper.e2e import e2e_report
 from benchmarks.paper.moe import moe_report
 from benchmarks.paper.shapes import MODELS, MOE_MODELS
 from benchmarks.paper.step import balance_report, hsdp_report, step_report
-from dmuon_fsdp.newton_schulz import NS_ALGORITHMS
+from dmuon_fsdp.config import NS_ALGORITHMS
 
 REPORTS = {
     "step": step_report,

@@ -31,8 +31,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dmuon_fsdp import DMuonFSDP, comm
-from dmuon_fsdp.state import local_shard
+from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp._step import comm
+from dmuon_fsdp._step.state import local_shard
 from instruments.counters import CollectiveCalls
 
 

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.matmul_floor import bmm_seconds
 from dmuon_fsdp import param_groups
-from dmuon_fsdp.planner import build_plan
+from dmuon_fsdp._step.planner import build_plan
 from instruments.plans import chunk_row_counts, newton_schulz_flops, rank_loads, row_sharded_layout
 from recipes.model import PRESETS, Transformer, preset
 

@@ -32,7 +32,8 @@ import torch.multiprocessing as mp
 
 from benchmarks.bench_optimizer import sharded_model
 from benchmarks.matmul_floor import sync
-from dmuon_fsdp import DMuonFSDP, comm, param_groups
+from dmuon_fsdp import DMuonFSDP, param_groups
+from dmuon_fsdp._step import comm
 from dmuon_fsdp.config import NS_ALGORITHMS
 from dmuon_fsdp.newton_schulz import (
     MUON_COEFFICIENTS,

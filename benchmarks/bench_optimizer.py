@@ -34,9 +34,10 @@ from torch.distributed.fsdp import fully_shard
 
 from benchmarks.gather_muon import GatherAllMuon
 from benchmarks.matmul_floor import bmm_seconds, ns_throughput_report
-from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, comm, param_groups
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups
+from dmuon_fsdp._step import comm
+from dmuon_fsdp._step.stats import PHASES
 from dmuon_fsdp.newton_schulz import default_ns_dtype
-from dmuon_fsdp.program import PHASES
 from recipes.model import PRESETS, Transformer, preset
 
 CONTENDERS = [

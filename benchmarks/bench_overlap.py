@@ -34,7 +34,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dmuon_fsdp import DMuonFSDP, clip_grad_norm_, comm, param_groups
+from dmuon_fsdp import DMuonFSDP, clip_grad_norm_, param_groups
+from dmuon_fsdp._step import comm
 from recipes.model import Transformer, preset
 
 # The plain step at its default buckets and at --bucket-mib, the overlap at --bucket-mib; both

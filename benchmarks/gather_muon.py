@@ -10,8 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import newton_schulz
+from dmuon_fsdp._step.state import adjusted_lr
 from dmuon_fsdp.newton_schulz import resolve_coefficients
-from dmuon_fsdp.state import adjusted_lr
 
 
 class GatherAllMuon(torch.optim.Optimizer):

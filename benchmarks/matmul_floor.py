@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from dmuon_fsdp import DMuonFSDP, param_groups
+from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp.newton_schulz import default_ns_dtype, standard_segments
-from dmuon_fsdp.planner import Plan
 from instruments.plans import newton_schulz_flops
 
 

@@ -4,14 +4,14 @@ fully_shard(model)
 opt = DMuonFSDP(model.parameters(), lr=0.02)      # or DMuonFSDP(param_groups(model))
 """
 
+from dmuon_fsdp._step.errors import GradientMismatchError, NonFiniteGradientError
+from dmuon_fsdp._step.planner import Plan
+from dmuon_fsdp._step.stats import StepStats
 from dmuon_fsdp.backward import clip_grad_norm_
-from dmuon_fsdp.checks import GradientMismatchError, NonFiniteGradientError
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS, newton_schulz
 from dmuon_fsdp.optimizer import DMuonFSDP
-from dmuon_fsdp.param_groups import param_groups
-from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.program import StepStats
 from dmuon_fsdp.qk_clip import AttentionWeights, QKClip
+from dmuon_fsdp.routing import param_groups
 
 __all__ = [
     "AttentionWeights",

@@ -47,9 +47,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
-from dmuon_fsdp.checks import StepKey, Verdict
-from dmuon_fsdp.program import StepProgram, StepRun, StepStats
-from dmuon_fsdp.state import MuonStep, local_shard, muon_steps
+from dmuon_fsdp._step.flags import StepKey, Verdict
+from dmuon_fsdp._step.program import StepProgram
+from dmuon_fsdp._step.run import StepRun
+from dmuon_fsdp._step.state import MuonStep, local_shard, muon_steps
+from dmuon_fsdp._step.stats import StepStats
 
 if TYPE_CHECKING:
     from dmuon_fsdp.config import Options

@@ -9,25 +9,33 @@ parameters or their meshes change. Group options' own checks live with the group
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
+from dmuon_fsdp._step import comm
+from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
 from dmuon_fsdp.normuon import NORMUON
 
 if TYPE_CHECKING:
-    from dmuon_fsdp import comm
     from dmuon_fsdp.variants import RowVariant
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
 COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-NS_ALGORITHMS = ("standard", "gram", "auto")
+
+
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
 
 # The row variants by the name the ``variant`` option takes ([Note: row variants] in
 # ``dmuon_fsdp.variants``); plain Muon is none.
 VARIANTS: dict[str, RowVariant | None] = {"muon": None, NORMUON.name: NORMUON}
+
 
 # Muon group options built into a step program: changing one rebuilds it (with the variants').
 STRUCTURAL = (
@@ -41,6 +49,7 @@ STRUCTURAL = (
     "num_heads",
     "variant",
 )
+
 
 # Per-step options that every rank must step with alike (read at every step, so not in the key):
 # checked through the flags too, without a rebuild when they change alike (a scheduler's lr).
@@ -137,3 +146,66 @@ class Settings:
     def exchange_group(self) -> comm.ExchangeGroup:
         """The group the exchanges run on."""
         return self.site.backward if self.in_backward else self.site.group
+
+
+def check_lr(lr: Any) -> None:
+    """An lr that is a tensor must hold one element (torch's rule)."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+
+
+def _non_negative(group: dict[str, Any], *keys: str) -> None:
+    check_lr(group["lr"])
+    for key in keys:
+        value = float(group[key])
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{key} must be a finite number >= 0, got {group[key]!r}")
+
+
+def check_muon_group(group: dict[str, Any]) -> None:
+    _non_negative(group, "lr", "weight_decay", "eps")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        fn = group["adjust_lr_fn"]
+        raise ValueError(
+            f"Adjust learning rate function {fn} is not supported (adjust_lr_fn: one of {ADJUST_LR_FNS})"
+        )
+    resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+    if group["ns_algorithm"] not in NS_ALGORITHMS:
+        raise ValueError(f"ns_algorithm must be one of {NS_ALGORITHMS}, got {group['ns_algorithm']!r}")
+    split_sizes, num_heads = group["split_sizes"], group["num_heads"]
+    if split_sizes is not None and num_heads is not None:
+        raise ValueError("set at most one of split_sizes and num_heads")
+    if split_sizes is not None and not (
+        len(split_sizes) > 0
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split_sizes)
+    ):
+        raise ValueError(f"split_sizes must be a non-empty list of positive integers, got {split_sizes!r}")
+    if num_heads is not None and not (
+        isinstance(num_heads, int) and not isinstance(num_heads, bool) and num_heads > 0
+    ):
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
+    if not isinstance(group["flatten"], bool):
+        raise ValueError(f"flatten must be True or False, got {group['flatten']!r}")
+    if group["variant"] not in VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {group['variant']!r}")
+    for variant in VARIANTS.values():  # every variant's options are in every Muon group
+        if variant is not None:
+            variant.check(group)
+
+
+def check_groups(groups: list[dict[str, Any]], first_index: int = 0) -> None:
+    """Check the options of param groups (numbered from ``first_index``); an error names its group."""
+    for index, group in enumerate(groups, start=first_index):
+        try:
+            (check_muon_group if group["use_muon"] else check_adamw_group)(group)
+        except ValueError as e:
+            raise ValueError(f"param group {index}: {e}") from None
+
+
+def check_adamw_group(group: dict[str, Any]) -> None:
+    _non_negative(group, "lr", "weight_decay", "eps")
+    betas = group["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"AdamW betas must be two numbers in [0, 1), got {betas}")

@@ -22,8 +22,6 @@ from typing import TypeGuard
 import torch
 from torch import Tensor
 
-from dmuon_fsdp.config import NS_ALGORITHMS
-
 Coefficients = tuple[float, float, float]
 
 MUON_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
@@ -117,6 +115,8 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
     them it is many times slower; measure before passing ``ns_dtype=torch.bfloat16`` on a CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
+
+NS_ALGORITHMS = ("standard", "gram", "auto")  # the forms ``ns_segments`` knows (``config`` lists it)
 
 # Gram segments in 4-byte and wider dtypes end before an R update would grow R's rounding noise
 # (negative eigenvalues of a rank-deficient X X^T, amplified by about a^2 per update) past this

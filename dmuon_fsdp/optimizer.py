@@ -13,23 +13,18 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from dmuon_fsdp import comm
+from dmuon_fsdp._step import comm
+from dmuon_fsdp._step.cache import ProgramCache
+from dmuon_fsdp._step.flags import StepKey, Verdict
+from dmuon_fsdp._step.planner import Plan
+from dmuon_fsdp._step.run import StepRun
+from dmuon_fsdp._step.state import check_state_dict, initial_state, restore_state
+from dmuon_fsdp._step.stats import StepStats
+from dmuon_fsdp._step.swaps import follow, follow_fully_shard
 from dmuon_fsdp.backward import BackwardStart
-from dmuon_fsdp.cache import ProgramCache
-from dmuon_fsdp.checks import StepKey, Verdict
-from dmuon_fsdp.config import Option, Options, Settings
+from dmuon_fsdp.config import Option, Options, Settings, check_lr
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
-from dmuon_fsdp.options import (
-    check_lr,
-    check_new_groups,
-    check_state_dict,
-    refuse_other_names,
-    split_group,
-)
-from dmuon_fsdp.param_groups import follow, follow_fully_shard, routing
-from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.program import StepRun, StepStats
-from dmuon_fsdp.state import initial_state, restore_state
+from dmuon_fsdp.routing import check_new_groups, refuse_other_names, routing, split_group
 
 
 class DMuonFSDP(Optimizer):

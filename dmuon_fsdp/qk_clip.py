@@ -26,9 +26,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dmuon_fsdp import comm
-from dmuon_fsdp.layouts import param_boxes
-from dmuon_fsdp.state import local_shard
+from dmuon_fsdp._step import comm
+from dmuon_fsdp._step.layouts import param_boxes
+from dmuon_fsdp._step.state import local_shard
 
 
 @dataclass(frozen=True)

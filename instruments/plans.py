@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dmuon_fsdp.layouts import EMPTY, MatrixLayout, Piece
+from dmuon_fsdp._step.layouts import EMPTY, MatrixLayout, Piece
 from dmuon_fsdp.newton_schulz import segments_flops, standard_segments
-from dmuon_fsdp.planner import Plan
+from dmuon_fsdp._step.planner import Plan
 
 
 def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dmuon_fsdp
 from dmuon_fsdp import DMuonFSDP, param_groups
-from dmuon_fsdp.exchange import SLOTS
+from dmuon_fsdp._step.buffers import SLOTS
 from tests.support.moe import moe_block
 from tests.support.paired_runs import (
     BUCKET,

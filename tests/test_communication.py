@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.checks import FLAG_ELEMENTS
-from dmuon_fsdp.exchange import SLOTS
-from dmuon_fsdp.program import PHASES
+from dmuon_fsdp._step.buffers import SLOTS
+from dmuon_fsdp._step.flags import FLAG_ELEMENTS
+from dmuon_fsdp._step.stats import PHASES
 from instruments.counters import CollectiveCalls, HostReads
 from tests.support.paired_runs import DIMS, inputs, sharded
 from tests.support.spawn import run_ranks
@@ -145,7 +145,7 @@ def released_after_wait(rank, world_size):
     left something held."""
     import sys
 
-    from dmuon_fsdp import comm
+    from dmuon_fsdp._step import comm
 
     group = comm.exchange_group(range(world_size)).process_group
     held = 0
@@ -192,7 +192,7 @@ def released_with_a_shared_arena(rank, world_size):
     import sys
     import time
 
-    from dmuon_fsdp import comm
+    from dmuon_fsdp._step import comm
 
     group = comm.exchange_group(range(world_size)).process_group
     arena = torch.zeros(64 * world_size)

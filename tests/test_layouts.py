@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.layouts import rank_boxes, replica_indices
+from dmuon_fsdp._step.layouts import rank_boxes, replica_indices
 from tests.support.spawn import run_ranks
 
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from dmuon_fsdp.layouts import MatrixLayout, Piece
-from dmuon_fsdp.planner import assign_owners, bucket_shares, build_plan
+from dmuon_fsdp._step.layouts import MatrixLayout, Piece
+from dmuon_fsdp._step.planner import assign_owners, bucket_shares, build_plan
 from instruments.plans import (
     assignment_lower_bound,
     chunk_row_counts,

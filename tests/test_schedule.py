@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from dmuon_fsdp.checks import FLAG_ELEMENTS
-from dmuon_fsdp.exchange import check, rank_schedule
-from dmuon_fsdp.layouts import EMPTY, MatrixLayout, Piece
-from dmuon_fsdp.planner import build_plan
+from dmuon_fsdp._step.flags import FLAG_ELEMENTS
+from dmuon_fsdp._step.layouts import EMPTY, MatrixLayout, Piece
+from dmuon_fsdp._step.planner import build_plan
+from dmuon_fsdp._step.schedule import check, rank_schedule
 from instruments.plans import chunk_row_counts, newton_schulz_flops, replicated, row_sharded_layout
 
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon_fsdp import MUON_COEFFICIENTS, POLAR_EXPRESS, DMuonFSDP, param_groups
+from dmuon_fsdp._step.stats import PHASES
 from dmuon_fsdp.newton_schulz import gram_segments, resolve_coefficients, segments_flops, standard_segments
-from dmuon_fsdp.program import PHASES
 from tests.support.models import SHAPES, STEPS, VECTORS, ShapesModel, gradients, make_groups, reference_run
 from tests.support.reference import reference_muon_step, relative_error
 
@@ -418,7 +418,7 @@ def test_a_replaced_state_tensor_is_followed():
 
 
 def test_nonfinite_check_flags_inf_and_nan_and_changes_no_gradient():
-    from dmuon_fsdp.checks import nonfinite_groups, nonfinite_indicator
+    from dmuon_fsdp._step.flags import nonfinite_groups, nonfinite_indicator
 
     def indicator(grads):
         return nonfinite_indicator(

@@ -19,8 +19,8 @@ import argparse
 import torch
 
 from benchmarks.paper.shapes import Shape, row_sharded
+from dmuon_fsdp._step.planner import Plan, build_plan
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, ns_segments, resolve_coefficients, segments_flops
-from dmuon_fsdp.planner import Plan, build_plan
 from instruments.plans import rank_loads
 
 GPUS = {"h100": {"tflops": 989.0, "hbm_gbs": 3350.0}, "h200": {"tflops": 989.0, "hbm_gbs": 4800.0}}

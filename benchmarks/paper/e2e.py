@@ -46,7 +46,7 @@ from benchmarks.paper.costs import (
     resolve_gpu,
 )
 from benchmarks.paper.shapes import LLAMA_CONFIGS, MODELS
-from dmuon_fsdp.planner import Plan
+from dmuon_fsdp._step.planner import Plan
 
 
 def bucket_costs(plan: Plan, args: argparse.Namespace) -> tuple[list[float], list[dict[int, float]]]:

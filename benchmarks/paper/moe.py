@@ -22,7 +22,7 @@ from collections import defaultdict
 
 from benchmarks.paper.costs import WIRE_BYTES, ns_costs, ns_rate, print_header, print_row, resolve_gpu, spread
 from benchmarks.paper.shapes import MOE_MODELS, Stack, ep_layouts
-from dmuon_fsdp.planner import build_plan
+from dmuon_fsdp._step.planner import build_plan
 from instruments.plans import assignment_lower_bound, makespan_lower_bound, rank_loads
 
 

@@ -26,7 +26,7 @@ grouped experts).
 
 from __future__ import annotations
 
-from dmuon_fsdp.layouts import EMPTY, MatrixLayout, Piece
+from dmuon_fsdp._step.layouts import EMPTY, MatrixLayout, Piece
 from instruments.plans import chunk_row_counts, row_sharded_layout
 
 Shape = tuple[int, int]

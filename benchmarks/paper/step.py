@@ -42,7 +42,7 @@ from benchmarks.paper.costs import (
     spread,
 )
 from benchmarks.paper.shapes import MODELS, Shape, row_sharded
-from dmuon_fsdp.planner import build_plan
+from dmuon_fsdp._step.planner import build_plan
 from instruments.plans import assignment_lower_bound, makespan_lower_bound, rank_loads, replicated
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp.exchange import SLOTS
+from dmuon_fsdp._step.buffers import SLOTS
 from tests.support.training import Reference, train
 
 # "auto" runs (5, 16), the conv (6, 27) and (8, 40) in the Gram form and (13, 9), (9, 13) in the

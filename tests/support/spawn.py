@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmuon_fsdp import comm
+from dmuon_fsdp._step import comm
 
 
 def free_port() -> int:

@@ -22,20 +22,19 @@ and the fix. Every rank shards the same modules, so every rank follows, or raise
 
 from __future__ import annotations
 
+import difflib
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dmuon_fsdp.options import check_new_groups
-from dmuon_fsdp.state import initial_state, local_shard
+from dmuon_fsdp._step import comm
+from dmuon_fsdp._step.layouts import describe_params
+from dmuon_fsdp.config import OPTIMIZER_WIDE, check_groups
 
 
 def _named(model: nn.Module, kind: type[nn.Module]) -> list[tuple[str, Any]]:
@@ -93,53 +92,12 @@ def routing(model: nn.Module, head: str | nn.Module | None = None) -> dict[Tenso
     to_adamw.update(e.weight for _, e in _named(model, nn.Embedding))
     named = dict(model.named_parameters())
     for p in named.values():
-        _MODEL_OF[p] = weakref.ref(model)
+        MODEL_OF[p] = weakref.ref(model)
     return {p: (name, p.ndim >= 2 and p not in to_adamw) for name, p in named.items()}
 
 
 # Each tensor ``routing`` named -> its model (weakly): see [Note: built before fully_shard].
-_MODEL_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def follow_fully_shard(groups: list[dict[str, Any]], names: dict[Tensor, str]) -> bool:
-    """Put in ``groups``, in place, the sharded parameter ``fully_shard`` made of each tensor
-    there that it took out of its model since (see [Note: built before fully_shard]); whether
-    any was. Raises when a taken tensor's model is unknown. Asked by a step where some parameter
-    has no gradient (as each taken one has none): one pass of attribute checks."""
-    replaced = False
-    made: dict[int, dict[int, Tensor]] = {}  # per model (by id): FSDP2's uid -> sharded parameter
-    for group in groups:
-        params = group["params"]
-        for i, p in enumerate(params):
-            uid = getattr(p, "_fsdp_orig_uid", None)
-            if uid is None:
-                continue
-            ref = _MODEL_OF.get(p)
-            model = ref() if ref is not None else None
-            if model is not None and id(model) not in made:
-                made[id(model)] = _sharded_by_uid(model)
-            new = made[id(model)].get(uid) if model is not None else None
-            if new is None:
-                raise RuntimeError(
-                    f"{names[p]} was replaced in its model by fully_shard after this optimizer was built "
-                    "(FSDP2 gives the module sharded parameters; the optimizer's unsharded one gets no "
-                    "gradient, so nothing would train): build the optimizer after fully_shard, or from "
-                    "param_groups(model) (or with route=model), which it then follows"
-                )
-            params[i], replaced = new, True
-            _MODEL_OF[new] = ref
-    return replaced
-
-
-def _sharded_by_uid(model: nn.Module) -> dict[int, Tensor]:
-    """FSDP2's sharded parameters in ``model``, by the uid of the tensor each replaced."""
-    out: dict[int, Tensor] = {}
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params if group is not None else ():
-                out[fsdp_param._orig_param_uid] = fsdp_param.sharded_param
-    return out
+MODEL_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def param_groups(
@@ -192,48 +150,6 @@ def param_groups(
     return groups
 
 
-@dataclass(frozen=True)
-class Followed:
-    """The optimizer's bookkeeping after a replacement: (group index, parameter) in optimizer
-    order, every parameter's name, and the Muon parameters' meshes (``check_new_groups``)."""
-
-    indexed: list[tuple[int, Tensor]]
-    names: dict[Tensor, str]
-    meshes: dict[Any, str]
-
-
-def follow(
-    groups: list[dict[str, Any]],
-    known: list[tuple[int, Tensor]],
-    names: dict[Tensor, str],
-    state: Any,
-    written: bool,
-) -> Followed:
-    """Follow tensors replaced in ``groups`` since the optimizer knew them as ``known``:
-    everything is checked first (order, shapes, meshes; errors name the parameter), then each
-    replaced parameter's ``state`` moves to the new tensor, exactly when ``written`` (a step or a
-    load has written state), else made anew."""
-    now = indexed(groups)
-    current = [p for _, p in now]
-    check(known, now, names, written)
-    names = {new: names[old] for (_, old), new in zip(known, current, strict=True)}
-    meshes = check_new_groups(groups, names, {}, {})
-    states = [state.pop(old, {}) for _, old in known]
-    for (g, old), new, saved in zip(known, current, states, strict=True):
-        if new is old:
-            state[new] = saved
-        elif written and saved:
-            fresh = initial_state(new, groups[g])  # how each entry is placed on the new tensor
-            state[new] = {
-                key: value.to(new.device) if key == "step" else placed_like(value, fresh[key])
-                for key, value in saved.items()
-                if key in fresh  # (an entry the group's variant no longer keeps goes)
-            }
-        else:
-            state[new] = initial_state(new, groups[g])
-    return Followed(now, names, meshes)
-
-
 def group_params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
     """The parameters in ``param_groups`` now, in optimizer order."""
     return [p for group in groups for p in group["params"]]
@@ -244,77 +160,151 @@ def indexed(groups: Sequence[dict[str, Any]]) -> list[tuple[int, Tensor]]:
     return [(g, p) for g, group in enumerate(groups) for p in group["params"]]
 
 
-def check(
-    known: list[tuple[int, Tensor]],
-    current: list[tuple[int, Tensor]],
-    names: dict[Tensor, str],
-    keeps_values: bool,
-) -> None:
-    """A replacement must be one for one: same count per group, each tensor with its
-    predecessor's global shape, none twice; with ``keeps_values`` (state a step or a load has
-    written), state must be movable exactly (not on the meta device, dtype not narrowed). Raises
-    naming the parameter; every rank sees the same shapes and dtypes, so every rank raises
-    alike, before any move."""
-    if [g for g, _ in current] != [g for g, _ in known]:
+# Other optimizers' names, with what DMuonFSDP has in their place.
+_ADAMW_BETAS = "AdamW's betas are adamw_betas here (Muon's own decay is momentum)"
+
+
+_ADAMW_KERNEL = "the AdamW side runs torch's fused AdamW where the device has one, else foreach: no flag"
+
+
+_NOT_ADAMW_FLAGS = {
+    "amsgrad": "the AdamW side is torch's AdamW without amsgrad: there is no such option",
+    "foreach": _ADAMW_KERNEL,
+    "fused": _ADAMW_KERNEL,
+    "maximize": "not supported: minimize the negated objective",
+    "capturable": "not supported: the step is not CUDA-graph capturable",
+    "differentiable": "not supported: the step runs under no_grad",
+    "decoupled_weight_decay": "weight decay is decoupled already (weight_decay, adamw_weight_decay)",
+}
+
+
+def refuse_other_names(given: dict[str, Any], known: list[str]) -> None:
+    """Keyword arguments the constructor does not take: a TypeError naming the first, with the
+    name to use when it is another optimizer's (AdamW's ``betas``, ...) or a near miss."""
+    for name in given:
+        hint = _ADAMW_BETAS if name == "betas" else _NOT_ADAMW_FLAGS.get(name)
+        if hint is None:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}?" if close else "see DMuonFSDP's docstring for its arguments"
+        raise TypeError(f"DMuonFSDP() got an unexpected keyword argument {name!r}: {hint}")
+
+
+def _refuse_other_group_names(group: dict[str, Any], index: int, has_muon: bool) -> None:
+    """A param group with AdamW's flags, or AdamW's ``betas`` where Muon parameters would take
+    it for nothing: a ValueError naming the group and what to use."""
+    for name, hint in _NOT_ADAMW_FLAGS.items():
+        if name in group:
+            raise ValueError(f"param group {index}: {name}: {hint}")
+    if has_muon and "betas" in group:
         raise ValueError(
-            f"param_groups now hold {_group_sizes(current)} parameters per group, the optimizer was given "
-            f"{_group_sizes(known)}: a framework may replace parameters one for one (same groups, order and "
-            "shapes); add new ones with add_param_group"
+            f"param group {index}: betas: the group holds Muon parameters, which have no betas; "
+            "give its AdamW part adamw_betas (in the group, or on the optimizer), Muon's decay is momentum"
         )
-    seen: set[Tensor] = set()
-    for (_, old), (_, new) in zip(known, current, strict=True):
-        name = names[old]
-        if not isinstance(new, Tensor):
-            raise TypeError(f"{name} was replaced in param_groups by a {type(new).__name__}, not a tensor")
-        if new in seen:
-            raise ValueError(f"{name} was replaced in param_groups by a tensor that appears there twice")
-        seen.add(new)
-        if tuple(new.shape) != tuple(old.shape):
-            raise ValueError(
-                f"{name} was replaced in param_groups by a tensor of shape {tuple(new.shape)}: replacements "
-                "must "
-                "keep each parameter's (global) shape and the order"
+
+
+def split_group(
+    param_group: dict[str, Any],
+    first_index: int,
+    known: dict[Tensor, str],
+    defaults: dict[str, Any],
+    route: dict[Tensor, tuple[str, bool]] | None = None,
+    first_group: int = 0,
+) -> tuple[list[dict[str, Any]], dict[Tensor, str]]:
+    """Route a param group's parameters: a Muon group and/or an AdamW group, and each
+    parameter's name for messages (``known``: the names already taken; ``first_group``: the
+    index the first new group will have, for messages). Without ``use_muon`` in
+    the group, matrices go to Muon, or with ``route`` (parameter -> (name, to Muon), see
+    ``param_groups.routing``) what it says. The group's own lr, betas, eps and weight_decay are
+    AdamW's when all of its parameters go to AdamW (``use_muon=False``, or only vectors); in a
+    group that also holds Muon parameters they are Muon's, and its AdamW part takes the
+    group's (or the optimizer's) ``adamw_*`` values."""
+    group = dict(param_group)
+    for key in OPTIMIZER_WIDE:
+        if key in group:
+            raise ValueError(f"{key} is optimizer-wide and cannot be set per param group")
+    params = group.pop("params")
+    params = [params] if isinstance(params, Tensor) else list(params)
+    use_muon = group.pop("use_muon", None)
+    if use_muon not in (None, True, False):
+        raise ValueError(f"use_muon must be True, False or unset, got {use_muon!r}")
+    names: dict[Tensor, str] = {}
+    muon: list[Tensor | tuple[str, Tensor]] = []  # the items as given: tensors or (name, tensor)
+    adamw: list[Tensor | tuple[str, Tensor]] = []
+    for i, item in enumerate(params):
+        name, p = item if isinstance(item, tuple) else (f"parameter {first_index + i}", item)
+        if not isinstance(p, Tensor):
+            raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
+        if not isinstance(item, tuple):
+            name = f"{name} (shape {tuple(p.shape)})"
+        if p in known or p in names:  # torch's wording for the case, then which parameter
+            where = (
+                "some parameters appear in more than one parameter group" if p in known else "a param group"
             )
-        if keeps_values and new is not old:
-            _check_movable(name, old.dtype, new.dtype, old.is_meta or new.is_meta)
-
-
-def _group_sizes(indexed: list[tuple[int, Tensor]]) -> list[int]:
-    sizes: dict[int, int] = {}
-    for g, _ in indexed:
-        sizes[g] = sizes.get(g, 0) + 1
-    return list(sizes.values())
-
-
-def _check_movable(name: str, old_dtype: torch.dtype, new_dtype: torch.dtype, meta: bool) -> None:
-    if meta:
-        raise ValueError(
-            f"{name}: its optimizer state holds values and cannot be moved to or from the meta device; "
-            "replace the parameter with a materialized one, or build the optimizer after the model is set up"
+            first = known.get(p, names.get(p))
+            raise ValueError(f"{where}: {name} is passed to the optimizer twice (first as {first})")
+        if route is not None and p not in route:
+            raise ValueError(f"{name} is not a parameter of the model given as route")
+        if route is not None and not isinstance(item, tuple):
+            name = route[p][0]
+        route_to_muon = (
+            use_muon if use_muon is not None else route[p][1] if route is not None else p.ndim >= 2
         )
-    if torch.promote_types(old_dtype, new_dtype) != new_dtype:
-        raise ValueError(
-            f"{name} was replaced by a {new_dtype} tensor but its state is {old_dtype}: narrowing it would "
-            "not be exact; build the optimizer after the dtype change"
-        )
+        if route_to_muon and p.ndim < 2:
+            raise ValueError(
+                f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon needs a matrix "
+                "(ndim >= 2)"
+            )
+        if p.is_complex():
+            raise ValueError(f"{name}: complex parameters are not supported")
+        names[p] = name
+        (muon if route_to_muon else adamw).append(item)
+    _refuse_other_group_names(group, first_group, bool(muon or not adamw))
+    new_groups = []
+    if muon or not adamw:
+        new_groups.append({**group, "params": muon, "use_muon": True})
+    if adamw:
+        adamw_group = {**group, "params": adamw, "use_muon": False}
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if muon or key not in group:
+                adamw_group[key] = group.get(f"adamw_{key}", defaults[f"adamw_{key}"])
+        new_groups.append(adamw_group)
+    return new_groups, names
 
 
-def placed_like(value: Tensor, param: Tensor) -> Tensor:
-    """``value`` (a state tensor shaped like ``param``, here a fresh state entry of the new
-    parameter: plain, or a DTensor on any mesh) laid out and typed like ``param``, with the same
-    values; the result owns its storage. A DTensor on
-    ``param``'s mesh moves by DTensor's redistribute (Replicate -> Shard is a local slice, a
-    change of shard dim an all-to-all); only one on another mesh is gathered whole. Both are
-    collectives over the mesh, so every rank must replace the same parameters (frameworks do)."""
-    if isinstance(value, DTensor):
-        if isinstance(param, DTensor) and value.device_mesh == param.device_mesh:
-            value = value.redistribute(param.device_mesh, param.placements)
-        else:
-            value = value.full_tensor()
-    if isinstance(param, DTensor) and not isinstance(value, DTensor):  # DTensor's rule, no communication
-        value = distribute_tensor(
-            value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-        )
-    out = torch.empty_like(param, memory_format=torch.preserve_format)
-    local_shard(out).copy_(local_shard(value))
-    return out
+def check_new_groups(
+    new_groups: list[dict[str, Any]],
+    names: dict[Tensor, str],
+    defaults: dict[str, Any],
+    meshes: dict[Any, str],
+    first_index: int = 0,
+) -> dict[Any, str]:
+    """Validate hyper-parameters and layouts of groups about to be added to the optimizer (as
+    param groups ``first_index`` on: a bad option's error names its group).
+
+    ``meshes`` maps each mesh the Muon parameters seen so far live on (None: plain tensors) to
+    the name of one parameter on it; returns it updated (see ``exchange_ranks``).
+    """
+    meshes = dict(meshes)
+    for index, new in enumerate(new_groups, start=first_index):
+        merged = {**defaults, **new}
+        check_groups([merged], index)
+        for item in new["params"]:
+            p = item[1] if isinstance(item, tuple) else item
+            name = names[p]
+            if isinstance(p, DTensor):
+                if any(isinstance(pl, Partial) for pl in p.placements):
+                    raise NotImplementedError(f"{name} has Partial placements {p.placements}")
+                if p.device.type != p.device_mesh.device_type:
+                    raise NotImplementedError(
+                        f"{name} is on {p.device} but its mesh on {p.device_mesh.device_type}: "
+                        "offloaded parameters (CPUOffloadPolicy) are not supported"
+                    )
+                if p.device_mesh.get_coordinate() is None:
+                    raise ValueError(f"{name} lives on {p.device_mesh}, which does not include this rank")
+            if not new["use_muon"]:
+                continue
+            describe_params([(p, name, merged)])  # raises for unsupported layouts
+            comm.check_backend(p, name)
+            meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, name)
+    comm.exchange_ranks(meshes)
+    return meshes

@@ -208,3 +208,41 @@ def adamw(
         maximize=False,
         **kernel,
     )
+
+
+def check_saved_state(name: str, param: Tensor, group: dict[str, Any], saved: dict[str, Any]) -> None:
+    """``saved`` (from a state dict) must hold the state keys of the parameter's kind, each
+    shaped like the parameter (a row variant's state like its rows, ``step`` aside), or
+    nothing (the parameter then starts afresh)."""
+    expected = set(state_keys(group))
+    if saved and set(saved) != expected:
+        raise ValueError(f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}")
+    for key, value in saved.items():
+        shape = row_shape(param, group["flatten"]) if key in row_state_keys() else tuple(param.shape)
+        if key != "step" and tuple(value.shape) != shape:
+            raise ValueError(f"{name}: saved {key} has shape {tuple(value.shape)}, expected {shape}")
+
+
+def check_state_dict(state_dict: dict[str, Any], groups: list[dict[str, Any]], names: dict) -> None:
+    """A state dict to load must match the optimizer group by group and parameter by parameter.
+    A group saved without ``use_muon`` (``torch.optim.Muon``'s) matches a Muon group."""
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
+    for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        kind = saved.get("use_muon", True if "ns_steps" in saved else None)
+        if len(saved["params"]) != len(group["params"]) or kind != group["use_muon"]:
+            theirs, ours = len(saved["params"]), len(group["params"])
+            raise ValueError(
+                f"param group {index}: state dict has {theirs} parameters (use_muon="
+                f"{saved.get('use_muon')}), this optimizer {ours} (use_muon={group['use_muon']})"
+            )
+        variant = saved.get("variant", "muon")
+        if group["use_muon"] and variant != group["variant"]:
+            raise ValueError(
+                f"param group {index}: the state dict was saved with variant={variant!r}, this optimizer's "
+                f"group has variant={group['variant']!r}: build the optimizer with the variant the run was "
+                "saved with (a state dict resumes its run as it was)"
+            )
+        for key, p in zip(saved["params"], group["params"], strict=True):
+            check_saved_state(names[p], p, group, saved_state.get(key, {}))

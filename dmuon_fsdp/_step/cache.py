@@ -10,42 +10,21 @@ their bound programs, and decides which one a step runs: bound, bound anew, or p
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import torch
 from torch import Tensor
 
-from dmuon_fsdp import comm
-from dmuon_fsdp.binding import bind
-from dmuon_fsdp.checks import (
-    FLAG_ELEMENTS,
-    StepKey,
-    agree_on_plan,
-    agreed,
-    key_agreement,
-    raise_alike,
-    stale_layouts,
-)
-from dmuon_fsdp.config import Settings, row_variant
-from dmuon_fsdp.exchange import (
-    SLOTS,
-    PerRow,
-    Pool,
-    RankSchedule,
-    rank_schedule,
-)
-from dmuon_fsdp.layouts import MatrixLayout, describe_params
-from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
-from dmuon_fsdp.options import check_groups
-from dmuon_fsdp.param_groups import group_params, indexed
-from dmuon_fsdp.planner import Plan, build_plan
-from dmuon_fsdp.program import (
-    NSForm,
-    StepProgram,
-)
-from dmuon_fsdp.state import restore_state
+from dmuon_fsdp._step import comm
+from dmuon_fsdp._step.binding import bind
+from dmuon_fsdp._step.buffers import Pool
+from dmuon_fsdp._step.errors import raise_for
+from dmuon_fsdp._step.flags import StepKey, agreed, key_agreement, stale_layouts
+from dmuon_fsdp._step.planner import Plan
+from dmuon_fsdp._step.planning import Planned, plan_program
+from dmuon_fsdp._step.program import StepProgram
+from dmuon_fsdp._step.state import restore_state
+from dmuon_fsdp.config import Settings
 
 
 @dataclass(frozen=True)
@@ -60,17 +39,9 @@ class Ready:
     agreement: comm.Handle | None = None
 
 
-@dataclass(frozen=True)
-class Planned:
-    """A step key's plan, each matrix's NS form and this rank's schedule: a program but its
-    tensors (no memory to speak of)."""
-
-    plan: Plan
-    forms: tuple[NSForm, ...]
-    schedule: RankSchedule
-
-
 PROGRAMS_KEPT = 4  # step keys whose programs are kept, least recently used dropped
+
+
 AGREE_UNTIL_STEADY = 100  # steps a key must hold before keys are no longer agreed first
 
 
@@ -134,7 +105,7 @@ class ProgramCache:
         """Let every kept program go and raise the error every rank raises alike (a collective
         when ``shared``): no rank keeps what another did not."""
         self.clear()
-        _raise_alike(groups, state, names, settings, shared)
+        raise_for(groups, state, names, settings, shared)
 
     def state_replaced(self) -> None:
         """The state tensors were replaced wholesale (``load_state_dict``): every program is bound
@@ -206,83 +177,3 @@ class ProgramCache:
             self._bound[in_use] = program
         self._plans.move_to_end(in_use)
         return Ready(program, bound=True, agreement=agreement)
-
-
-def _raise_alike(
-    groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings, shared: bool
-) -> NoReturn:
-    """Raise the error every rank agrees on (``checks.raise_alike``; a collective when ``shared``)."""
-    params = group_params(groups)
-    group = settings.site.group.process_group if shared else None
-    raise_alike(params, names, groups, group, settings.nonfinite, stale_layouts(params, state))
-
-
-def _forms(
-    matrices: Sequence[MatrixLayout], groups: Sequence[dict[str, Any]], dtype: torch.dtype
-) -> list[NSForm]:
-    """Each matrix's form, from the options of its parameter's group (``groups[j]``)."""
-    out = []
-    for m, group in zip(matrices, groups, strict=True):
-        coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-        segments = ns_segments(group["ns_algorithm"], coefficients, dtype, m.rows, m.cols)
-        variant = row_variant(group)
-        settings = variant.settings(group) if variant is not None else ()
-        out.append(NSForm(coefficients, float(group["eps"]), segments, variant, settings))
-    return out
-
-
-def plan_program(
-    key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings
-) -> Planned:
-    """A new plan for ``key`` and this rank's schedule; with a check on, one ``all_reduce``
-    tells every rank of any rank's trouble and (with ``check_grads``) that all built the same
-    plan."""
-    muon = [
-        (g, p)
-        for (g, p), has in zip(indexed(groups), key.has_grad, strict=True)
-        if has and groups[g]["use_muon"]
-    ]
-    described = [(p, names[p], groups[g]) for g, p in muon]
-    layouts, param_of = describe_params(described, settings.site.ranks)
-    forms = _forms(layouts, [described[i][2] for i in param_of], settings.ns_dtype)
-    costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms, strict=True)]
-    site = settings.site.group
-    plan = build_plan(
-        layouts,
-        costs,
-        len(site.peers),
-        settings.bucket_bytes,
-        settings.comm_dtype.itemsize,
-        param_of,
-    )
-    trouble = bool(stale_layouts(group_params(groups), state))
-    group = site.process_group if key.checked else None
-    shared = group is not None
-    if group is not None:
-        identities = [
-            (f"{m.name} ({m.rows}x{m.cols})", m.pieces, m.replicas, cost)
-            for m, cost in zip(layouts, costs, strict=True)
-        ]
-        trouble = agree_on_plan(
-            trouble,
-            key.digest,
-            plan.signature() ^ settings.in_backward,  # where the flags ride and on which group
-            identities,
-            group,
-            settings.device,
-            settings.check_grads,
-        )
-    if trouble:
-        _raise_alike(groups, state, names, settings, shared)
-    # Options set in param_groups since construction, checked once every rank agreed on them
-    check_groups(groups)
-    exchange = settings.exchange_group  # after the agreement: every rank asks for the group alike
-    # A step begun in backward always carries flags: every rank must agree on redoing it.
-    flag_elements = FLAG_ELEMENTS if key.checked or settings.in_backward else 0
-    rowed = frozenset(j for j, form in enumerate(forms) if form.variant is not None)
-    per_row = PerRow(rowed, width=2 if settings.comm_dtype.itemsize == 2 else 1)  # float32 bits
-    # Steps begun in backward start the buckets before the carrier from hooks, as many as the
-    # slots hold with one to spare for the carrier (see dmuon_fsdp.program, the bucket loop).
-    carrier = min(SLOTS - 1, len(plan.buckets) - 1) if settings.in_backward else 0
-    schedule = rank_schedule(plan, exchange.rank, exchange.peers, flag_elements, max(carrier, 0), per_row)
-    return Planned(plan, tuple(forms), schedule)

@@ -22,18 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon_fsdp.checks import Flags, StepKey, nonfinite_groups
-from dmuon_fsdp.config import Settings
-from dmuon_fsdp.exchange import (
+from dmuon_fsdp._step.buffers import (
     BACK,
     SLOTS,
     TO,
     WORK,
-    BucketSchedule,
     Pool,
-    RankSchedule,
     Region,
-    Transfer,
     Wired,
     as_wire,
     in_shape,
@@ -42,10 +37,9 @@ from dmuon_fsdp.exchange import (
     staging,
     wired,
 )
-from dmuon_fsdp.newton_schulz import Workspace
-from dmuon_fsdp.param_groups import indexed
-from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.program import (
+from dmuon_fsdp._step.flags import Flags, StepKey, nonfinite_groups
+from dmuon_fsdp._step.planner import Plan
+from dmuon_fsdp._step.program import (
     AdamWLists,
     Batch,
     BucketProgram,
@@ -58,7 +52,11 @@ from dmuon_fsdp.program import (
     StepProgram,
     Updates,
 )
-from dmuon_fsdp.state import adamw_kernel, adjusted_lr, lerp_math_dtype, local_shard
+from dmuon_fsdp._step.schedule import BucketSchedule, RankSchedule, Transfer
+from dmuon_fsdp._step.state import adamw_kernel, adjusted_lr, lerp_math_dtype, local_shard
+from dmuon_fsdp.config import Settings
+from dmuon_fsdp.newton_schulz import Workspace
+from dmuon_fsdp.routing import indexed
 from dmuon_fsdp.variants import RowBatch, RowStep, RowVariant
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dmuon_fsdp import layouts
+from dmuon_fsdp._step import layouts
 
 
 @dataclass
@@ -92,6 +92,11 @@ class Exchange:
     send_counts: list[int]
     receive_counts: list[int]
     process_group: dist.ProcessGroup | None  # None: the default group
+
+
+def wait(handle: Handle | None) -> Tensor | None:
+    """Wait for an exchange launched (None: none was)."""
+    return handle.wait() if handle is not None else None
 
 
 def launch(exchange: Exchange) -> Handle:

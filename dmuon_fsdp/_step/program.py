@@ -33,36 +33,29 @@ number of ops per param group, bucket and NS batch, whatever the number of param
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.autograd.profiler as autograd_profiler
 from torch import Tensor
 
-from dmuon_fsdp import comm
-from dmuon_fsdp.checks import (
+from dmuon_fsdp._step import comm
+from dmuon_fsdp._step.flags import (
     NONFINITE_SLOT,
     REDO_SLOT,
     Flags,
     StepKey,
     Verdict,
-    agreed,
     decide,
     encode,
-    hyper_digest,
     nonfinite_indicator,
     tensor_flags,
-    tensor_options,
 )
-from dmuon_fsdp.exchange import SLOTS
+from dmuon_fsdp._step.planner import Plan
+from dmuon_fsdp._step.state import AdamWKernel, MuonStep, adamw, local_shard, muon_input
+from dmuon_fsdp._step.stats import StepStats
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
-from dmuon_fsdp.planner import Plan
-from dmuon_fsdp.state import AdamWKernel, MuonStep, adamw, local_shard, muon_input, muon_steps
 
 if TYPE_CHECKING:
     from dmuon_fsdp.config import Options
@@ -334,7 +327,7 @@ class StepProgram:
         all step this program with the same per-step options."""
         if self.flags is not None:
             with stats.phase("wait"):
-                received = wait(carrier)
+                received = comm.wait(carrier)
                 assert received is not None  # the carrier's exchange holds the flags: it was launched
                 summary = received[self.flags.receive].amax(0).tolist()
         else:
@@ -383,253 +376,3 @@ class StepProgram:
 
 
 _NONE: dict = {}  # the state of a parameter whose state was removed (``moved`` reports it)
-
-
-def wait(handle: comm.Handle | None) -> Tensor | None:
-    return handle.wait() if handle is not None else None
-
-
-@dataclass
-class StepRun:
-    """One step of ``program`` under way: which buckets' exchanges to the owners are launched,
-    and the exchanges in flight (see [Note: the bucket loop])."""
-
-    program: StepProgram
-    stats: StepStats
-    launched: int = 0
-    to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
-    from_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
-
-    def start(self, k: int, grads: list[Tensor] | None, steps: Sequence[MuonStep | None] = ()) -> None:
-        """Make bucket ``k``'s NS inputs from ``grads`` (entry order) with the groups' ``steps``
-        (None: none, its results will not be used) and launch its exchange to the owners;
-        buckets start in order."""
-        if k != self.launched:
-            raise RuntimeError(f"bucket {k} started after {self.launched} of {len(self.program.buckets)}")
-        if grads is not None:
-            self.program.buckets[k].stage.run(grads, steps)
-        exchange = self.program.buckets[k].to_owners
-        self.to_owners[k] = comm.launch(exchange) if exchange is not None else None
-        self.launched += 1
-
-    def run(
-        self,
-        local: list[Tensor] | None,
-        groups: Sequence[dict[str, Any]],
-        key: StepKey,
-        options: Options,
-        agreement: comm.Handle | None = None,
-        redo: bool = False,
-        changed: Tensor | None = None,
-    ) -> Verdict:
-        """The step from where it is (see [Note: the bucket loop]); returns the verdict all ranks
-        share. Nothing is committed unless it is ``GO``. ``local``: this rank's gradients (None
-        when they do not fit the program: the flags say so); ``agreement``: on the step key,
-        under way (``key_agreement``), read before the first exchange; ``redo``, or
-        ``changed`` on the device: this rank's gradients changed after a bucket started in
-        backward (the flags ask every rank to run the step again)."""
-        program, stats = self.program, self.stats
-        n, carrier = len(program.buckets), program.carrier
-        steps = muon_steps(groups, program.device)  # the per-step options, read once
-        hyper = hyper_digest(groups) if program.flags is not None else 0  # every rank's alike?
-        made = None if redo else local  # a rank that will ask for a redo makes nothing
-        indicator = None
-        verdict = Verdict.GO
-        applied = 0  # buckets whose results were applied
-        for k in range(n):
-            while self.launched <= min(n - 1, max(k + (1 if options.overlap else 0), carrier)):
-                with stats.phase("momentum"):
-                    if made is not None:
-                        program.buckets[self.launched].stage.run(made, steps)
-                    if self.launched == carrier:
-                        indicator = program.write_flags(
-                            key, hyper, tensor_options(groups), local, options.nonfinite, redo, changed
-                        )
-                if agreement is not None:
-                    with stats.phase("wait"):
-                        if not agreed(agreement, key.digest):  # every rank's exchanges would differ
-                            return self.abandon(Verdict.RAISE)
-                    agreement = None
-                self.start(self.launched, None)
-            if k == carrier:
-                verdict = program.verdict(
-                    self.to_owners[k],
-                    program.key.digest ^ hyper,
-                    local,
-                    indicator,
-                    options,
-                    stats,
-                    redo,
-                    changed,
-                )
-                if verdict is not Verdict.GO:
-                    return self.abandon(verdict)
-                assert local is not None  # else the flags (or this rank's findings) say INVALID
-                program.decay(steps, stats)
-                program.adamw_step(local, groups, stats)
-            if k >= carrier:  # bucket k - 2's way back is bucket k's: applied first
-                applied = self.apply_through(k - SLOTS, applied, steps)
-            self.finish(k, discarded=made is None)
-            if not options.overlap and k >= carrier:
-                applied = self.apply_through(k, applied, steps)
-        self.apply_through(n - 1, applied, steps)
-        assert local is not None  # the carrier (one of the buckets) had a GO verdict
-        program.commit_momentum(local, steps, stats)
-        stats.count(**program.counts)
-        return verdict
-
-    def finish(self, k: int, discarded: bool = False) -> None:
-        """Wait for bucket ``k``'s pieces, orthogonalize the matrices owned here and start the
-        exchange back from the owners. ``discarded``: the results will not be used (only the
-        exchanges run, so that every rank's stay in step)."""
-        bucket, stats = self.program.buckets[k], self.stats
-        with stats.phase("wait"):
-            wait(self.to_owners.pop(k))
-        if not discarded:
-            with stats.phase("assemble"):
-                bucket.assemble.run()
-            with stats.phase("newton_schulz"):
-                for batch in bucket.batches:
-                    batch.orthogonalize()
-                    stats.ns_matrices += batch.stack.shape[0]
-                for row_step in bucket.row_steps:
-                    row_step.run()
-        with stats.phase("return"):
-            if not discarded:
-                bucket.collect.run()
-            exchange = bucket.from_owners
-            self.from_owners[k] = comm.launch(exchange) if exchange is not None else None
-
-    def apply_through(self, last: int, applied: int, steps: Sequence[MuonStep | None]) -> int:
-        """Wait for the way back of buckets ``applied`` .. ``last`` and apply them; returns how
-        many buckets are applied now."""
-        for k in range(applied, last + 1):
-            bucket, stats = self.program.buckets[k], self.stats
-            with stats.phase("wait"):
-                wait(self.from_owners.pop(k))
-            with stats.phase("apply"):
-                bucket.writes.run()  # new row state into the state, the row factors out
-                for u in bucket.updates:
-                    u.apply(steps)
-        return max(applied, last + 1)
-
-    def abandon(self, verdict: Verdict) -> Verdict:
-        """A step that does not go on: every exchange in flight waited for, nothing committed."""
-        self.settle()
-        self.stats.seconds.clear()
-        self.stats._events.clear()
-        self.stats.skipped = verdict is Verdict.SKIP
-        return verdict
-
-    def settle(self) -> None:
-        """Wait for every exchange in flight."""
-        for handles in (self.to_owners, self.from_owners):
-            for handle in handles.values():
-                wait(handle)
-            handles.clear()
-
-    def discard(self) -> None:
-        """Bring a step that will not be completed to where every rank's is, whatever was started:
-        every exchange launched in the loop's order and waited for; nothing made or committed."""
-        n = len(self.program.buckets)
-        for k in range(n):
-            while self.launched <= min(n - 1, max(k + 1, self.program.carrier)):
-                self.start(self.launched, None)
-            self.finish(k, discarded=True)
-            if k >= SLOTS:
-                wait(self.from_owners.pop(k - SLOTS))
-        self.settle()
-
-
-# The phases of a step, in order (``dmuon_fsdp.program`` says what each does); ``wait`` recurs.
-PHASES = ("momentum", "wait", "commit", "adamw", "assemble", "newton_schulz", "return", "apply")
-
-
-@dataclass
-class StepStats:
-    """What one rank did in one step.
-
-    ``skipped`` is True when ``nonfinite="skip"`` skipped the step (nothing else is counted
-    then). Counted for every step that ran: ``ns_matrices`` (matrices this rank orthogonalized,
-    counted as each batch runs), ``ns_flops`` (their Newton-Schulz flops), ``bytes_sent`` and
-    ``bytes_received`` (matrix pieces to and from other ranks, both exchanges; the check flags
-    riding in one exchange, ``flag_bytes`` each way, and a row variant's numbers, one or two per
-    row, are not included),
-    ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers the optimizer keeps
-    between steps: the two slots' exchange buffers, stacks of owned matrices, staging and scratch
-    copies, and the NS workspace, which every bucket and every kept program share:
-    ``dmuon_fsdp.exchange``).
-    With ``timed=True``, ``seconds[phase]`` holds the time of each of ``PHASES``, summed over the
-    step: on CPU the host's (``wait``: blocked on an all-to-all); on accelerators the device's,
-    between events recorded on the current stream at the phase's start and end (``wait``: the
-    stream waiting for an exchange), read with one synchronization when the step ends
-    (``settle_times``), so that timing leaves the overlap of exchange and NS as it is.
-
-    With ``overlap_backward``: ``started_in_backward`` counts the buckets whose NS inputs and
-    exchange to owners began in backward, and ``redone`` is True when the step was redone from
-    gradients that changed after backward began it (the count is then the redone step's, 0).
-    Phase times leave out the work done in hooks (it is labelled in a profiler trace).
-    """
-
-    device: torch.device
-    timed: bool = False
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    ns_matrices: int = 0
-    ns_flops: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    flag_bytes: int = 0
-    collectives: int = 0
-    buffer_bytes: int = 0
-    skipped: bool = False
-    started_in_backward: int = 0
-    redone: bool = False
-    _events: list[tuple[str, Any, Any]] = field(default_factory=list, repr=False)  # to read at the end
-
-    def count(
-        self, ns_flops: int, bytes_sent: int, bytes_received: int, flag_bytes: int, collectives: int
-    ) -> None:
-        """What the step program does every step (``StepProgram.counts``)."""
-        self.ns_flops, self.bytes_sent, self.bytes_received = ns_flops, bytes_sent, bytes_received
-        self.flag_bytes, self.collectives = flag_bytes, collectives
-
-    def settle_times(self) -> None:
-        """Add the device times of the phases timed by events to ``seconds`` (one wait, for the
-        last event)."""
-        if self._events:
-            self._events[-1][2].synchronize()
-            for name, begin, end in self._events:
-                self.seconds[name] += begin.elapsed_time(end) / 1000.0
-            self._events.clear()
-
-    @contextmanager
-    def label(self, name: str) -> Iterator[None]:
-        """Label ``dmuon_fsdp.<name>`` in a profiler trace (only while a profiler runs: a label
-        costs two dispatched ops), untimed: as for work in backward's hooks (on a side stream,
-        amid backward)."""
-        profiling = autograd_profiler._is_profiler_enabled  # torch's fast check for this purpose
-        with autograd_profiler.record_function(f"dmuon_fsdp.{name}") if profiling else nullcontext():
-            yield
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Label the phase ``dmuon_fsdp.<name>`` and time it when ``timed``."""
-        with self.label(name):
-            if not self.timed:
-                yield
-                return
-            if self.device.type != "cpu":
-                module = torch.get_device_module(self.device)
-                begin, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
-                begin.record()
-                try:
-                    yield
-                finally:
-                    end.record()
-                    self._events.append((name, begin, end))
-                return
-            start = time.perf_counter()
-            try:
-                yield
-            finally:
-                self.seconds[name] += time.perf_counter() - start

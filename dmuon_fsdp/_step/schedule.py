@@ -1,51 +1,28 @@
-"""The exchange: what every all-to-all of a plan carries on one rank, the buffers it runs in,
-and each transfer's views in them. No collectives (``dmuon_fsdp.comm`` runs them).
+"""The wire schedule: what every all-to-all of a plan carries on one rank. Pure: no
+collectives and no tensors (``dmuon_fsdp._step.comm`` runs them, ``dmuon_fsdp._step.buffers``
+lays them into buffers).
 
-The wire format (``rank_schedule``; pure, the one place it is worked out): per bucket, the
+The wire format (``rank_schedule``; the one place it is worked out): per bucket, the
 exchange *to owners* brings each owner one copy of every piece of the matrices it owns (from
 the owner's replica), and the exchange *from owners* brings every holder, replicas included, its
 piece of each orthogonalized matrix. Each is one ``all_to_all_single`` whose buffer holds one
 segment per peer in process-group order; a segment is ``flag_elements`` check elements (in the
-exchange that carries them only, own segment included; see ``dmuon_fsdp.checks``) followed by
+exchange that carries them only, own segment included; see ``dmuon_fsdp._step.flags``) followed by
 the pieces in bucket order. A piece of a matrix whose rows carry numbers of their own (a row
 variant's, see [Note: row variants] in ``dmuon_fsdp.variants``) is followed by them: to the
 owner, its rows' state once per row (with the pieces that hold the matrix's first column);
 back, the new state and the rows' factors. Pieces that stay on this rank never enter a buffer
 (``own_pieces``, ``own_results``). Split sizes are derived from these lists, and the lists are
-checked when they are built (``check``). ``wired`` lays a wire into a buffer: per transfer, its
-piece (rows x cols) and its per-row numbers (``Slot``).
-
-[Note: slots] The buffers are a few arenas that every bucket of every kept program takes its
-views from. A step runs its buckets one after another, and at most ``SLOTS`` of them hold
-buffers at once: bucket k takes its views from slot ``k % SLOTS``. A slot has two arenas, one
-for the bucket's way to its owners (send and receive buffers, the stacks of owned matrices,
-staging and scratch: alive from making its NS inputs to collecting its results) and one for
-its way back (send and receive buffers, a row variant's numbers, own results kept for the update: alive
-from its Newton-Schulz to its update). With two slots, bucket k+1 travels while bucket k's NS
-runs, and bucket k+2 takes bucket k's arenas once k is through with them; the bucket loop
-(``dmuon_fsdp.program``) orders its work so. One more arena holds the NS workspace, used by one
-batch at a time. So the buffers are a small multiple of the largest bucket (``bucket_bytes``),
-whatever the depth of the model, and the programs kept for other gradient sets share them
-(one program runs at a time). A program is bound into the pool as it is (``Region.take`` hands
-out views in order); if some arena was too small, binding asked for meta tensors past its end,
-and the pool grows to what was asked, with headroom (``Pool.grow``), before binding again.
-Growing replaces arenas: the kept programs let go of them first, so that each is freed before
-its successor is made, and bind anew when next used (``Pool.generation`` tells them apart).
+checked when they are built (``check``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-from torch import Tensor
-
-from dmuon_fsdp import comm
-from dmuon_fsdp.layouts import Piece
-from dmuon_fsdp.planner import Bucket, Plan
+from dmuon_fsdp._step.layouts import Piece
+from dmuon_fsdp._step.planner import Bucket, Plan
 
 
 @dataclass(frozen=True)
@@ -295,174 +272,3 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
         fail(f"results returned {held}, expected each of {sorted(expected)} once")
     if schedule.elements(sent=True) != plan.elements_moved(me):
         fail(f"sends {schedule.elements(sent=True)} elements, the plan counts {plan.elements_moved(me)}")
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a transfer sits in a buffer: its piece (rows, cols) and its per-row numbers (None
-    when none travel, see ``PerRow``): to the owner, the rows' state; back, the new state
-    (``row_state``) and then the rows' factors (``row_factors``), as the wire holds float32
-    numbers (``as_wire``: on a 16-bit wire, their bits as ``int16``)."""
-
-    transfer: Transfer
-    piece: Tensor
-    per_row: Tensor | None
-
-    @property
-    def row_state(self) -> Tensor:
-        assert self.per_row is not None  # asked of slots whose transfer carries per-row numbers
-        return self.per_row[: self.per_row.numel() // 2]
-
-    @property
-    def row_factors(self) -> Tensor:
-        assert self.per_row is not None  # asked of slots whose transfer carries per-row numbers
-        return self.per_row[self.per_row.numel() // 2 :]
-
-
-def as_wire(numbers: Tensor, dtype: torch.dtype) -> Tensor:
-    """Per-row numbers as a wire of ``dtype`` carries them exactly: float32 numbers themselves
-    (a copy into a 32- or 64-bit wire converts them, exactly), or on a 16-bit wire their bits,
-    as ``int16``: float32 numbers two elements each, and the wire's own elements (float16 or
-    bfloat16) seen as ``int16`` too, so that every copy between them moves bits. A copy between
-    16-bit float views need not: CUDA's foreach copy converts each element to float and back,
-    which turns every NaN bit pattern (a float32's lower half spells one now and then) into the
-    canonical NaN."""
-    return numbers.view(torch.int16) if dtype.itemsize == 2 else numbers
-
-
-@dataclass(frozen=True)
-class Wired:
-    """One wire bound to buffers: the exchange and each transfer's send and receive slots."""
-
-    exchange: comm.Exchange | None
-    sent: list[Slot]
-    received: list[Slot]
-
-
-def piece_of(local: Tensor, piece: Piece) -> Tensor:
-    """A rank's piece inside a tensor shaped like its local shard (a view)."""
-    return local.view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
-
-
-def rows_of(local: Tensor, piece: Piece) -> Tensor:
-    """A rank's piece's rows in a tensor of one number per local row (a row variant's state)."""
-    return local.view(-1)[piece.local_row : piece.local_row + piece.rows]
-
-
-def slots(buffer: Tensor, segments: Sequence[Sequence[Transfer]], flag_elements: int) -> list[list[Slot]]:
-    """Each transfer's slot in a flat buffer laid out segment after segment, flags first."""
-    out: list[list[Slot]] = []
-    offset = 0
-    for segment in segments:
-        offset += flag_elements
-        out.append([])
-        for t in segment:
-            p = t.piece
-            piece = buffer[offset : offset + p.numel].view(p.rows, p.cols)
-            numbers = buffer[offset + p.numel : offset + t.numel]
-            extra = as_wire(numbers, buffer.dtype) if t.per_row else None
-            out[-1].append(Slot(t, piece, extra))
-            offset += t.numel
-    if offset != buffer.numel():
-        raise RuntimeError(f"exchange buffer of {buffer.numel()} elements, its pieces and flags use {offset}")
-    return out
-
-
-def staging(transfers: Sequence[Transfer], dtype: torch.dtype, region: Region) -> list[Slot]:
-    """A buffer of ``dtype`` from ``region`` holding ``transfers`` (own pieces passing through the
-    wire's dtype)."""
-    return slots(region.take(sum(t.numel for t in transfers), dtype), [transfers], 0)[0]
-
-
-def wired(wire: Wire | None, dtype: torch.dtype, region: Region, group: dist.ProcessGroup | None) -> Wired:
-    """``wire``'s send and receive buffers (from ``region``) and exchange over ``group``."""
-    if wire is None:
-        return Wired(None, [], [])
-    buffers = []
-    for counts, segments in ((wire.send_counts, wire.send), (wire.receive_counts, wire.receive)):
-        buffer = region.take(sum(counts), dtype)
-        buffers.append(
-            (buffer, [slot for segment in slots(buffer, segments, wire.flag_elements) for slot in segment])
-        )
-    (send, sent), (receive, received) = buffers
-    return Wired(comm.Exchange(send, receive, wire.send_counts, wire.receive_counts, group), sent, received)
-
-
-def in_shape(view: Tensor, local: Tensor) -> Tensor | None:
-    """``view`` seen in the local shard's shape, when it is the whole shard and can be."""
-    if view.shape == local.shape:
-        return view
-    return view.view(local.shape) if view.numel() == local.numel() and view.is_contiguous() else None
-
-
-SLOTS = 2  # buckets whose buffers are alive at once (see [Note: slots])
-ALIGN = 64  # bytes: every view starts on such a boundary (any dtype's, and vector loads')
-
-TO, BACK, WORK = "to owners", "back", "workspace"
-
-
-def arena_names() -> list[tuple[str, int]]:
-    return [(way, s) for s in range(SLOTS) for way in (TO, BACK)] + [(WORK, 0)]
-
-
-class Region:
-    """Views of one arena, handed out from its start; past its end, meta tensors (the binding
-    is then only measured: ``used`` says how much it needed)."""
-
-    def __init__(self, arena: Tensor | None, device: torch.device) -> None:
-        self.arena, self.device = arena, device
-        self.used = 0
-
-    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
-        if not numel:  # a real tensor: an exchange with nothing to move is still a collective
-            return torch.empty(0, dtype=dtype, device=self.device)
-        start = -(-self.used // ALIGN) * ALIGN
-        self.used = start + numel * dtype.itemsize
-        if self.arena is None or self.used > self.arena.numel():
-            return torch.empty(numel, dtype=dtype, device="meta")
-        return self.arena[start : self.used].view(dtype)
-
-
-class Pool:
-    """The arenas of ``arena_names()`` on one device (bytes, zeroed when made: a binding writes
-    nothing into them, so that binding anew never touches an exchange in flight; every view is
-    written before it is read). ``release`` drops every view of the pool its owner keeps (the
-    kept programs), so that an arena replaced when the pool grows is freed before its larger
-    successor is made; a program in flight (one begun in backward) keeps its arenas alive
-    until it is done with them."""
-
-    def __init__(self, device: torch.device, release: Callable[[], None] = lambda: None) -> None:
-        self.device = device
-        self.release = release
-        self.arenas: dict[tuple[str, int], Tensor] = {}
-        self.generation = 0
-        self.nbytes = 0  # of every arena
-
-    def regions(self) -> dict[tuple[str, int], Region]:
-        """A fresh region per arena (one bucket's binding, or the workspace's)."""
-        return {name: Region(self.arenas.get(name), self.device) for name in arena_names()}
-
-    def fits(self, needed: dict[tuple[str, int], int]) -> bool:
-        return all(n <= self.size(name) for name, n in needed.items())
-
-    def size(self, name: tuple[str, int]) -> int:
-        arena = self.arenas.get(name)
-        return arena.numel() if arena is not None else 0
-
-    def grow(self, needed: dict[tuple[str, int], int]) -> None:
-        """Make the arenas that are smaller than ``needed`` anew, with headroom (``GROWTH`` times
-        their old size, at least what is needed: a run whose programs grow a little at a time
-        makes few arenas); every program bound before goes stale (``generation`` moves on), and
-        the owner's views go first (``release``)."""
-        self.release()
-        for name, n in needed.items():
-            old = self.size(name)
-            if n > old:
-                self.arenas.pop(name, None)  # freed (nothing else views it) before the larger one is made
-                size = max(n, math.ceil(old * GROWTH))
-                self.arenas[name] = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        self.generation += 1
-        self.nbytes = sum(arena.numel() for arena in self.arenas.values())
-
-
-GROWTH = 1.5  # an arena that grows takes at least this many times its old size

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from dmuon_fsdp.layouts import MatrixLayout
+from dmuon_fsdp._step.layouts import MatrixLayout
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,8 @@ def bucket_shares(m: MatrixLayout, owner: int) -> list[tuple[int, int, int]]:
 
 
 HELD, SENT, RETURNED, RECEIVED = range(4)
+
+
 SHARES = ("held", "sent to owners", "sent back", "received back")  # what a rank holds or moves
 
 

@@ -1,0 +1,1 @@
+"""The step runtime (private): what DMuonFSDP plans, binds and runs; see docs/design.md."""

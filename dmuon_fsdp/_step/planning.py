@@ -1,0 +1,108 @@
+"""The program cache: each step key's program planned, agreed on, bound and kept.
+
+``plan_program`` runs the pipeline for a ``StepKey``: layouts (every rank's piece of each Muon
+matrix) -> each matrix's Newton-Schulz form and cost -> plan (owners, buckets) -> agreement over
+the ranks (one ``all_reduce``, with a check on) -> this rank's schedule; ``dmuon_fsdp.binding``
+then makes it into tensors. ``ProgramCache`` keeps the plans of the step keys seen lately and
+their bound programs, and decides which one a step runs: bound, bound anew, or planned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dmuon_fsdp._step.buffers import SLOTS
+from dmuon_fsdp._step.errors import agree_on_plan, raise_for
+from dmuon_fsdp._step.flags import FLAG_ELEMENTS, StepKey, stale_layouts
+from dmuon_fsdp._step.layouts import MatrixLayout, describe_params
+from dmuon_fsdp._step.planner import Plan, build_plan
+from dmuon_fsdp._step.program import NSForm
+from dmuon_fsdp._step.schedule import PerRow, RankSchedule, rank_schedule
+from dmuon_fsdp.config import Settings, check_groups, row_variant
+from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
+from dmuon_fsdp.routing import group_params, indexed
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A step key's plan, each matrix's NS form and this rank's schedule: a program but its
+    tensors (no memory to speak of)."""
+
+    plan: Plan
+    forms: tuple[NSForm, ...]
+    schedule: RankSchedule
+
+
+def _forms(
+    matrices: Sequence[MatrixLayout], groups: Sequence[dict[str, Any]], dtype: torch.dtype
+) -> list[NSForm]:
+    """Each matrix's form, from the options of its parameter's group (``groups[j]``)."""
+    out = []
+    for m, group in zip(matrices, groups, strict=True):
+        coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+        segments = ns_segments(group["ns_algorithm"], coefficients, dtype, m.rows, m.cols)
+        variant = row_variant(group)
+        settings = variant.settings(group) if variant is not None else ()
+        out.append(NSForm(coefficients, float(group["eps"]), segments, variant, settings))
+    return out
+
+
+def plan_program(
+    key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings
+) -> Planned:
+    """A new plan for ``key`` and this rank's schedule; with a check on, one ``all_reduce``
+    tells every rank of any rank's trouble and (with ``check_grads``) that all built the same
+    plan."""
+    muon = [
+        (g, p)
+        for (g, p), has in zip(indexed(groups), key.has_grad, strict=True)
+        if has and groups[g]["use_muon"]
+    ]
+    described = [(p, names[p], groups[g]) for g, p in muon]
+    layouts, param_of = describe_params(described, settings.site.ranks)
+    forms = _forms(layouts, [described[i][2] for i in param_of], settings.ns_dtype)
+    costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms, strict=True)]
+    site = settings.site.group
+    plan = build_plan(
+        layouts,
+        costs,
+        len(site.peers),
+        settings.bucket_bytes,
+        settings.comm_dtype.itemsize,
+        param_of,
+    )
+    trouble = bool(stale_layouts(group_params(groups), state))
+    group = site.process_group if key.checked else None
+    shared = group is not None
+    if group is not None:
+        identities = [
+            (f"{m.name} ({m.rows}x{m.cols})", m.pieces, m.replicas, cost)
+            for m, cost in zip(layouts, costs, strict=True)
+        ]
+        trouble = agree_on_plan(
+            trouble,
+            key.digest,
+            plan.signature() ^ settings.in_backward,  # where the flags ride and on which group
+            identities,
+            group,
+            settings.device,
+            settings.check_grads,
+        )
+    if trouble:
+        raise_for(groups, state, names, settings, shared)
+    # Options set in param_groups since construction, checked once every rank agreed on them
+    check_groups(groups)
+    exchange = settings.exchange_group  # after the agreement: every rank asks for the group alike
+    # A step begun in backward always carries flags: every rank must agree on redoing it.
+    flag_elements = FLAG_ELEMENTS if key.checked or settings.in_backward else 0
+    rowed = frozenset(j for j, form in enumerate(forms) if form.variant is not None)
+    per_row = PerRow(rowed, width=2 if settings.comm_dtype.itemsize == 2 else 1)  # float32 bits
+    # Steps begun in backward start the buckets before the carrier from hooks, as many as the
+    # slots hold with one to spare for the carrier (see dmuon_fsdp.program, the bucket loop).
+    carrier = min(SLOTS - 1, len(plan.buckets) - 1) if settings.in_backward else 0
+    schedule = rank_schedule(plan, exchange.rank, exchange.peers, flag_elements, max(carrier, 0), per_row)
+    return Planned(plan, tuple(forms), schedule)

@@ -1,0 +1,202 @@
+"""The step program and its run: one plan's schedule bound to tensors, executed bucket by bucket.
+
+A ``StepProgram`` holds everything a step of one plan needs on this rank, as parts that each
+know their own few foreach ops (``Copies``, ``Batch``, ``Updates``, ``Stage``, one
+``BucketProgram`` per bucket); ``dmuon_fsdp.binding`` binds it once per plan into the shared
+buffers (``dmuon_fsdp.exchange``). ``StepRun`` executes a step with it, top to bottom, in these
+phases (the names ``StepStats`` and a profiler trace use):
+
+- ``momentum``: a bucket's NS inputs, written straight into its send buffer and own stacks
+  (foreach ops; the momentum buffers are only read), and this rank's check flags into the
+  exchange that carries them;
+- ``wait``: blocked on an all-to-all; the one carrying the flags brings every rank's, read once
+  into the verdict (``dmuon_fsdp.checks``), before anything is committed;
+- ``commit``: weight decay after the verdict, the momentum buffers at the end; ``adamw``:
+  torch's functional AdamW;
+- per bucket, ``assemble`` (received pieces into (B, s, l) stacks), ``newton_schulz`` (in place
+  per stack) and ``return`` (results into the return buffer, the exchange back launched);
+- ``apply``: p -= lr * scale * O, one foreach add per bucket and step size.
+
+[Note: the bucket loop] Every step, plain or begun in backward, runs ``StepRun.run``: for each
+bucket k in order, launch the exchanges to the owners through bucket k + 1 (with ``overlap``;
+else k), and at least through the carrier of the flags; wait for bucket k's pieces; at the
+carrier, read the verdict and commit weight decay and AdamW; apply bucket k - 2 (its way back
+shares bucket k's slot, see [Note: slots]); assemble, orthogonalize and launch the way back.
+Bucket k + 2 takes bucket k's way to the owners only after bucket k's results were collected,
+and bucket k's way back is applied before bucket k + 2 is orthogonalized; so ``SLOTS`` sets of
+buffers serve every bucket. The carrier is bucket 0, or for steps begun in backward the first
+bucket launched at ``step`` (``RankSchedule.carrier``): gradients' hooks launch the buckets
+before it, which the loop then finds launched. Exchanges are issued in the same order on every
+rank: to the owners 0, 1, back 0, to 2, back 1, ... A steady-state step dispatches a fixed
+number of ops per param group, bucket and NS batch, whatever the number of parameters or ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from dmuon_fsdp._step import comm
+from dmuon_fsdp._step.buffers import SLOTS
+from dmuon_fsdp._step.flags import StepKey, Verdict, agreed, hyper_digest, tensor_options
+from dmuon_fsdp._step.program import StepProgram
+from dmuon_fsdp._step.state import MuonStep, muon_steps
+from dmuon_fsdp._step.stats import StepStats
+
+if TYPE_CHECKING:
+    from dmuon_fsdp.config import Options
+
+
+@dataclass
+class StepRun:
+    """One step of ``program`` under way: which buckets' exchanges to the owners are launched,
+    and the exchanges in flight (see [Note: the bucket loop])."""
+
+    program: StepProgram
+    stats: StepStats
+    launched: int = 0
+    to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
+    from_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
+
+    def start(self, k: int, grads: list[Tensor] | None, steps: Sequence[MuonStep | None] = ()) -> None:
+        """Make bucket ``k``'s NS inputs from ``grads`` (entry order) with the groups' ``steps``
+        (None: none, its results will not be used) and launch its exchange to the owners;
+        buckets start in order."""
+        if k != self.launched:
+            raise RuntimeError(f"bucket {k} started after {self.launched} of {len(self.program.buckets)}")
+        if grads is not None:
+            self.program.buckets[k].stage.run(grads, steps)
+        exchange = self.program.buckets[k].to_owners
+        self.to_owners[k] = comm.launch(exchange) if exchange is not None else None
+        self.launched += 1
+
+    def run(
+        self,
+        local: list[Tensor] | None,
+        groups: Sequence[dict[str, Any]],
+        key: StepKey,
+        options: Options,
+        agreement: comm.Handle | None = None,
+        redo: bool = False,
+        changed: Tensor | None = None,
+    ) -> Verdict:
+        """The step from where it is (see [Note: the bucket loop]); returns the verdict all ranks
+        share. Nothing is committed unless it is ``GO``. ``local``: this rank's gradients (None
+        when they do not fit the program: the flags say so); ``agreement``: on the step key,
+        under way (``key_agreement``), read before the first exchange; ``redo``, or
+        ``changed`` on the device: this rank's gradients changed after a bucket started in
+        backward (the flags ask every rank to run the step again)."""
+        program, stats = self.program, self.stats
+        n, carrier = len(program.buckets), program.carrier
+        steps = muon_steps(groups, program.device)  # the per-step options, read once
+        hyper = hyper_digest(groups) if program.flags is not None else 0  # every rank's alike?
+        made = None if redo else local  # a rank that will ask for a redo makes nothing
+        indicator = None
+        verdict = Verdict.GO
+        applied = 0  # buckets whose results were applied
+        for k in range(n):
+            while self.launched <= min(n - 1, max(k + (1 if options.overlap else 0), carrier)):
+                with stats.phase("momentum"):
+                    if made is not None:
+                        program.buckets[self.launched].stage.run(made, steps)
+                    if self.launched == carrier:
+                        indicator = program.write_flags(
+                            key, hyper, tensor_options(groups), local, options.nonfinite, redo, changed
+                        )
+                if agreement is not None:
+                    with stats.phase("wait"):
+                        if not agreed(agreement, key.digest):  # every rank's exchanges would differ
+                            return self.abandon(Verdict.RAISE)
+                    agreement = None
+                self.start(self.launched, None)
+            if k == carrier:
+                verdict = program.verdict(
+                    self.to_owners[k],
+                    program.key.digest ^ hyper,
+                    local,
+                    indicator,
+                    options,
+                    stats,
+                    redo,
+                    changed,
+                )
+                if verdict is not Verdict.GO:
+                    return self.abandon(verdict)
+                assert local is not None  # else the flags (or this rank's findings) say INVALID
+                program.decay(steps, stats)
+                program.adamw_step(local, groups, stats)
+            if k >= carrier:  # bucket k - 2's way back is bucket k's: applied first
+                applied = self.apply_through(k - SLOTS, applied, steps)
+            self.finish(k, discarded=made is None)
+            if not options.overlap and k >= carrier:
+                applied = self.apply_through(k, applied, steps)
+        self.apply_through(n - 1, applied, steps)
+        assert local is not None  # the carrier (one of the buckets) had a GO verdict
+        program.commit_momentum(local, steps, stats)
+        stats.count(**program.counts)
+        return verdict
+
+    def finish(self, k: int, discarded: bool = False) -> None:
+        """Wait for bucket ``k``'s pieces, orthogonalize the matrices owned here and start the
+        exchange back from the owners. ``discarded``: the results will not be used (only the
+        exchanges run, so that every rank's stay in step)."""
+        bucket, stats = self.program.buckets[k], self.stats
+        with stats.phase("wait"):
+            comm.wait(self.to_owners.pop(k))
+        if not discarded:
+            with stats.phase("assemble"):
+                bucket.assemble.run()
+            with stats.phase("newton_schulz"):
+                for batch in bucket.batches:
+                    batch.orthogonalize()
+                    stats.ns_matrices += batch.stack.shape[0]
+                for row_step in bucket.row_steps:
+                    row_step.run()
+        with stats.phase("return"):
+            if not discarded:
+                bucket.collect.run()
+            exchange = bucket.from_owners
+            self.from_owners[k] = comm.launch(exchange) if exchange is not None else None
+
+    def apply_through(self, last: int, applied: int, steps: Sequence[MuonStep | None]) -> int:
+        """Wait for the way back of buckets ``applied`` .. ``last`` and apply them; returns how
+        many buckets are applied now."""
+        for k in range(applied, last + 1):
+            bucket, stats = self.program.buckets[k], self.stats
+            with stats.phase("wait"):
+                comm.wait(self.from_owners.pop(k))
+            with stats.phase("apply"):
+                bucket.writes.run()  # new row state into the state, the row factors out
+                for u in bucket.updates:
+                    u.apply(steps)
+        return max(applied, last + 1)
+
+    def abandon(self, verdict: Verdict) -> Verdict:
+        """A step that does not go on: every exchange in flight waited for, nothing committed."""
+        self.settle()
+        self.stats.seconds.clear()
+        self.stats._events.clear()
+        self.stats.skipped = verdict is Verdict.SKIP
+        return verdict
+
+    def settle(self) -> None:
+        """Wait for every exchange in flight."""
+        for handles in (self.to_owners, self.from_owners):
+            for handle in handles.values():
+                comm.wait(handle)
+            handles.clear()
+
+    def discard(self) -> None:
+        """Bring a step that will not be completed to where every rank's is, whatever was started:
+        every exchange launched in the loop's order and waited for; nothing made or committed."""
+        n = len(self.program.buckets)
+        for k in range(n):
+            while self.launched <= min(n - 1, max(k + 1, self.program.carrier)):
+                self.start(self.launched, None)
+            self.finish(k, discarded=True)
+            if k >= SLOTS:
+                comm.wait(self.from_owners.pop(k - SLOTS))
+        self.settle()

@@ -91,7 +91,7 @@ def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) ->
     raise ValueError(f"unknown contender {name!r}")
 
 
-# The benchmarks' own reductions go through dmuon_fsdp.comm, which returns only once gloo's worker
+# The benchmarks' own reductions go through dmuon_fsdp._step.comm, which returns only once gloo's worker
 # thread has let go of the tensors: a release left for interpreter exit aborts a rank ("terminate
 # called without an active exception"), as torch.distributed's plain calls could at the end of a run.
 

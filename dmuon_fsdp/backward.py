@@ -13,15 +13,15 @@ waits for. A hook never waits for anything.
 
 Only the buckets before the carrier of the check flags start so (the carrier is the first
 bucket of the loop after them: its exchange carries the flags, made from the final gradients;
-``carrier`` in ``dmuon_fsdp.exchange``): they hold the slots of ``dmuon_fsdp.exchange``, which the
+``carrier`` in ``dmuon_fsdp._step.schedule``): they hold the slots of ``dmuon_fsdp._step.buffers``, which the
 later buckets take over at ``step`` once those are through. ``run`` (at ``step``) runs the same
-bucket loop as a plain step (``dmuon_fsdp.program``, [Note: the bucket loop]), which finds them
+bucket loop as a plain step (``dmuon_fsdp._step.run``, [Note: the bucket loop]), which finds them
 launched. The exchanges run in the same order on every rank, whenever a rank's hooks or its
 ``step`` launch them, on a process group of their own over the whole job, never among FSDP2's
 collectives; over part of the job (a pipeline stage) on the stage mesh's own group, where a
 hook launches each at the same point of FSDP2's sequence of collectives on every rank (FSDP2
 calls the hooks right after issuing the reduction that made the gradient):
-``comm.backward_group``, [Note: groups] in ``dmuon_fsdp.comm``. Newton-Schulz stays at
+``comm.backward_group``, [Note: groups] in ``dmuon_fsdp._step.comm``. Newton-Schulz stays at
 ``step``, where every rank runs its share of all buckets at once: docs/design.md ("Steps begun
 in backward") gives the measurements behind that.
 

@@ -3,8 +3,8 @@ made, and ``Option``, the attribute that exposes one), the vocabularies options 
 dtypes, lr adjustments, NS algorithms, non-finite policies, the registry of row variants), which
 group options shape a step program (``STRUCTURAL``) or are read at every step (``HYPER``), and
 the per-step ``Settings`` the optimizer resolves from them once and keeps until an option, the
-parameters or their meshes change. Group options' own checks live with the groups
-(``dmuon_fsdp.options``)."""
+parameters or their meshes change; and the checks of every group option (``check_groups``:
+an error names its group and what is wrong)."""
 
 from __future__ import annotations
 

@@ -285,7 +285,7 @@ class DMuonFSDP(Optimizer):
         return self._no_overlap_reason is None
 
     def _follow_swaps(self) -> None:
-        """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp.param_groups``);
+        """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp._step.swaps``);
         asked before every step, so the common answer (none was) costs one pass of identity checks."""
         known, groups = iter(self._params), self.param_groups
         if sum(len(g["params"]) for g in groups) == len(self._params) and all(
@@ -367,7 +367,7 @@ class DMuonFSDP(Optimizer):
         return loss
 
     def _run(self) -> Verdict:
-        """One step with the program for this step's key (see ``dmuon_fsdp.program``)."""
+        """One step with the program for this step's key (see ``dmuon_fsdp._step.run``)."""
         if self._params and self._params[0].device != self._settings.device:  # moved (model.to, to_empty)
             self._settings = self._resolve(self._settings.site, self._settings.in_backward)
         groups, options, settings = self.param_groups, self._options, self._settings

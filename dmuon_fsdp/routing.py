@@ -1,23 +1,9 @@
 """A model's parameters in the optimizer: routed (hidden matrices to Muon; embeddings, output
-head and vectors to AdamW), and followed when a framework replaces them in ``param_groups``.
-
-HF Accelerate (and the transformers Trainer through it) builds the optimizer on the unsharded
-model, calls ``fully_shard``, then puts each sharded DTensor where its unsharded parameter was
-in ``param_groups``. Torch's own optimizers survive that because their state is lazy; ours
-exists from construction, keyed by the tensors it was given. When the optimizer notices a
-replacement (cheaply, before every step), ``follow`` checks that it keeps order and shapes and
-moves names and state onto the new tensors (``placed_like``: exactly, onto the new layout).
-
-[Note: built before fully_shard]
-An optimizer built before ``fully_shard`` with nobody to swap its tensors (a plain loop) would
-hold the unsharded parameters, which FSDP2 took out of the model: they get no gradient, and
-nothing trains. FSDP2 marks each parameter it takes (``_fsdp_orig_uid``, which its own
-``FSDPParam`` keeps), so such a tensor is told apart without the model. ``param_groups(model)``
-and ``route=model`` remember the model of each tensor they name (weakly); from it
-``follow_fully_shard`` finds the ``FSDPParam`` that took the tensor and puts its sharded
-parameter in the tensor's place in ``param_groups``, and ``follow`` goes on as for Accelerate's
-swap. A marked tensor of an unknown model is an error at the first step, naming the parameter
-and the fix. Every rank shards the same modules, so every rank follows, or raises, alike.
+head and vectors to AdamW) by ``param_groups`` or ``route=``, each given a name for messages,
+and each param group split into its Muon and AdamW parts (``split_group``) and checked before
+it is added (``check_new_groups``). Other optimizers' names get the name to use. Tensors named
+here are remembered with their model (``MODEL_OF``), so that an optimizer built before
+``fully_shard`` can follow the sharded parameters (``dmuon_fsdp._step.swaps``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import math
 from collections.abc import Sequence
 
 from dmuon_fsdp._step.layouts import EMPTY, MatrixLayout, Piece
-from dmuon_fsdp.newton_schulz import segments_flops, standard_segments
 from dmuon_fsdp._step.planner import Plan
+from dmuon_fsdp.newton_schulz import segments_flops, standard_segments
 
 
 def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:

@@ -181,7 +181,7 @@ def released_after_wait(rank, world_size):
 
 def test_a_waited_exchange_leaves_nothing_to_release_at_exit():
     """What keeps a job's exit clean: a release by the worker after interpreter finalization
-    began would abort the process (see dmuon_fsdp.comm.settle)."""
+    began would abort the process (see dmuon_fsdp._step.comm.settle)."""
     assert run_ranks(released_after_wait, 2) == [0, 0]
 
 

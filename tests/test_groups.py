@@ -1,7 +1,7 @@
 """The process groups the optimizer needs are made so that eager NCCL initialization (a device
 bound to the default group, where torch makes each new group by splitting the default
 communicator, a collective of every rank of the job) cannot hang: every rank makes the same
-groups in the same order, or none ([Note: groups] in ``dmuon_fsdp.comm``). Each test records the
+groups in the same order, or none ([Note: groups] in ``dmuon_fsdp._step.comm``). Each test records the
 groups made from the optimizer's construction on, with steps begun in backward."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The binding: a planned program made into tensors on this rank, every view a step needs.
 
 ``bind`` makes them into the shared pool: each bucket takes its buffers from its slot's arenas
-([Note: slots] in ``dmuon_fsdp.exchange``): on the way to the owners, its exchange buffers in
+([Note: slots] in ``dmuon_fsdp._step.buffers``): on the way to the owners, its exchange buffers in
 ``comm_dtype``, one (B, s, l) stack per batch of owned matrices in ``ns_dtype`` (tall ones
 transposed), a ``comm_dtype`` staging copy of own pieces when ``comm_dtype != ns_dtype`` (so
 that replicas round results alike) and scratch copies of local shards; on the way back, its
@@ -9,7 +9,7 @@ exchange buffers, a row variant's numbers and the own results a later bucket of 
 overwrite before they are applied. What a parameter's matrices orthogonalize is written straight
 into its send-buffer segment or stack region when its shard is one piece sent whole, else made
 whole in scratch and spread. docs/design.md ("Memory") lists every buffer. Nothing here runs a
-collective or writes a buffer: ``dmuon_fsdp.program`` runs what it binds.
+collective or writes a buffer: ``dmuon_fsdp._step.run`` runs what it binds.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ class _Binder:
         return rows_of(local_shard(self.state[param][variant.state_key]), t.piece)
 
     def bucket(self, k: int, bucket: BucketSchedule) -> BucketProgram:
-        """Bucket ``k``'s views in its slot (see ``dmuon_fsdp.exchange``)."""
+        """Bucket ``k``'s views in its slot (see ``dmuon_fsdp._step.buffers``)."""
         regions = self.pool.regions()
         to, back = regions[TO, k % SLOTS], regions[BACK, k % SLOTS]
         batches, matrix, row_steps, owned_rows = self.batches(bucket.owned, to, back)

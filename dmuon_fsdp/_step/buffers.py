@@ -1,19 +1,7 @@
-"""The exchange: what every all-to-all of a plan carries on one rank, the buffers it runs in,
-and each transfer's views in them. No collectives (``dmuon_fsdp.comm`` runs them).
-
-The wire format (``rank_schedule``; pure, the one place it is worked out): per bucket, the
-exchange *to owners* brings each owner one copy of every piece of the matrices it owns (from
-the owner's replica), and the exchange *from owners* brings every holder, replicas included, its
-piece of each orthogonalized matrix. Each is one ``all_to_all_single`` whose buffer holds one
-segment per peer in process-group order; a segment is ``flag_elements`` check elements (in the
-exchange that carries them only, own segment included; see ``dmuon_fsdp.checks``) followed by
-the pieces in bucket order. A piece of a matrix whose rows carry numbers of their own (a row
-variant's, see [Note: row variants] in ``dmuon_fsdp.variants``) is followed by them: to the
-owner, its rows' state once per row (with the pieces that hold the matrix's first column);
-back, the new state and the rows' factors. Pieces that stay on this rank never enter a buffer
-(``own_pieces``, ``own_results``). Split sizes are derived from these lists, and the lists are
-checked when they are built (``check``). ``wired`` lays a wire into a buffer: per transfer, its
-piece (rows x cols) and its per-row numbers (``Slot``).
+"""The buffers a step's exchanges and Newton-Schulz run in, and each transfer's views in them:
+``wired`` lays a wire of the schedule (``dmuon_fsdp._step.schedule``) into buffers, per transfer
+its piece (rows x cols) and its per-row numbers (``Slot``); ``Pool`` holds the arenas every view
+is taken from. No collectives (``dmuon_fsdp._step.comm`` runs them).
 
 [Note: slots] The buffers are a few arenas that every bucket of every kept program takes its
 views from. A step runs its buckets one after another, and at most ``SLOTS`` of them hold
@@ -23,7 +11,7 @@ staging and scratch: alive from making its NS inputs to collecting its results) 
 its way back (send and receive buffers, a row variant's numbers, own results kept for the update: alive
 from its Newton-Schulz to its update). With two slots, bucket k+1 travels while bucket k's NS
 runs, and bucket k+2 takes bucket k's arenas once k is through with them; the bucket loop
-(``dmuon_fsdp.program``) orders its work so. One more arena holds the NS workspace, used by one
+(``dmuon_fsdp._step.run``) orders its work so. One more arena holds the NS workspace, used by one
 batch at a time. So the buffers are a small multiple of the largest bucket (``bucket_bytes``),
 whatever the depth of the model, and the programs kept for other gradient sets share them
 (one program runs at a time). A program is bound into the pool as it is (``Region.take`` hands

@@ -1,10 +1,6 @@
-"""The program cache: each step key's program planned, agreed on, bound and kept.
-
-``plan_program`` runs the pipeline for a ``StepKey``: layouts (every rank's piece of each Muon
-matrix) -> each matrix's Newton-Schulz form and cost -> plan (owners, buckets) -> agreement over
-the ranks (one ``all_reduce``, with a check on) -> this rank's schedule; ``dmuon_fsdp.binding``
-then makes it into tensors. ``ProgramCache`` keeps the plans of the step keys seen lately and
-their bound programs, and decides which one a step runs: bound, bound anew, or planned.
+"""The program cache: the plans of the step keys seen lately and their bound programs
+(``ProgramCache``), and which one a step runs: bound, bound anew (``dmuon_fsdp._step.binding``),
+or planned (``dmuon_fsdp._step.planning``).
 """
 
 from __future__ import annotations
@@ -84,7 +80,7 @@ class ProgramCache:
 
     @property
     def buffer_bytes(self) -> int:
-        """The bytes of the buffers the kept programs share (``dmuon_fsdp.exchange``)."""
+        """The bytes of the buffers the kept programs share (``dmuon_fsdp._step.buffers``)."""
         return self._pool.nbytes if self._pool is not None else 0
 
     @property

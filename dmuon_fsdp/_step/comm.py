@@ -1,7 +1,7 @@
 """The only module calling torch.distributed: a passive transport and the groups it uses.
 
 ``launch`` starts one ``all_to_all_single`` of an ``Exchange`` (buffers and split sizes in
-process-group rank order, as ``dmuon_fsdp.exchange`` lays them out) and returns a handle to
+process-group rank order, as ``dmuon_fsdp._step.schedule`` lays them out) and returns a handle to
 wait on. ``ExchangeSite`` is where a step's exchanges and checks run: the ranks matrices move
 between and the process group over them. The small collectives here serve agreeing on a plan when it is built,
 sharing per-parameter findings for an error message, and QK-clip's per-step MAX of attention

@@ -1,26 +1,8 @@
-"""Checks before a step commits anything, agreed on by every rank so that no rank waits alone,
-and the errors every rank raises alike.
-
-A step is identified by its ``StepKey``: which parameters have gradients, the Muon groups'
-structural options and whether check flags travel. Nothing here is a collective of its own on
-the hot path: each rank ``encode``s its findings as ``FLAG_ELEMENTS`` numbers that ride in the
-step's first all-to-all (its last, for a step begun in backward), one per peer, and ``decide``
-turns their element-wise maximum over the ranks into the same ``Verdict`` everywhere: go on,
-skip the step, rebuild (every rank's key changed the same way), redo the step from the start (a
-step begun in backward whose gradients changed afterwards, see ``dmuon_fsdp.backward``), or
-raise. Flags only say *that* something is wrong somewhere; to say what, ``raise_alike`` shares
-each rank's per-parameter findings (a second collective, on the rare path) so that every rank
-raises the same error naming parameters and ranks. ``agree_on_plan`` is the one ``all_reduce``
-when a program is built (trouble anywhere, and with ``check_grads`` that every rank built the
-same plan).
-
-Flags, per rank: [invalid, non-finite, redo, d0..d3, -d0..-d3, t0..t3, -t0..-t3]. Invalid is 1
-for a sparse or misshapen gradient or a parameter whose layout changed; non-finite is 1 when a
-gradient holds inf or NaN; redo is 1 when gradients changed after backward began working on
-them; d0..d3 are the bytes of the key's digest: the maxima of d and of -d agree only if every
-rank sent the same d; t0..t3 those of a digest of the per-step options given as tensors (a
-tensor lr), made on the device (``tensor_flags``: a tensor option is never read on the host), 0
-when there are none. Integers up to 255 are exact in every float dtype the exchange may use.
+"""The errors every rank raises alike. Flags (``dmuon_fsdp._step.flags``) only say *that*
+something is wrong somewhere; to say what, ``raise_alike`` shares each rank's per-parameter
+findings (a second collective, on the rare path) so that every rank raises the same error naming
+parameters and ranks. ``agree_on_plan`` is the one ``all_reduce`` when a program is built
+(trouble anywhere, and with ``check_grads`` that every rank built the same plan).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Checks before a step commits anything, agreed on by every rank so that no rank waits alone,
-and the errors every rank raises alike.
+"""The step key and the flags: checks before a step commits anything, agreed on by every rank so
+that no rank waits alone.
 
 A step is identified by its ``StepKey``: which parameters have gradients, the Muon groups'
 structural options and whether check flags travel. Nothing here is a collective of its own on
@@ -8,11 +8,8 @@ step's first all-to-all (its last, for a step begun in backward), one per peer, 
 turns their element-wise maximum over the ranks into the same ``Verdict`` everywhere: go on,
 skip the step, rebuild (every rank's key changed the same way), redo the step from the start (a
 step begun in backward whose gradients changed afterwards, see ``dmuon_fsdp.backward``), or
-raise. Flags only say *that* something is wrong somewhere; to say what, ``raise_alike`` shares
-each rank's per-parameter findings (a second collective, on the rare path) so that every rank
-raises the same error naming parameters and ranks. ``agree_on_plan`` is the one ``all_reduce``
-when a program is built (trouble anywhere, and with ``check_grads`` that every rank built the
-same plan).
+raise. Flags only say *that* something is wrong somewhere; ``dmuon_fsdp._step.errors`` says
+what, on every rank alike.
 
 Flags, per rank: [invalid, non-finite, redo, d0..d3, -d0..-d3, t0..t3, -t0..-t3]. Invalid is 1
 for a sparse or misshapen gradient or a parameter whose layout changed; non-finite is 1 when a
@@ -142,7 +139,7 @@ def tensor_flags(tensors: Sequence[Tensor], dtype: torch.dtype, device: torch.de
 
 def key_agreement(key_digest: int, group: Any, device: torch.device) -> comm.Handle:
     """Start agreeing on the step key before a step (only while keys alternate, see
-    ``dmuon_fsdp.cache.ProgramCache``): one ``all_reduce`` of 16 bytes; ``agreed`` reads it."""
+    ``dmuon_fsdp._step.cache.ProgramCache``): one ``all_reduce`` of 16 bytes; ``agreed`` reads it."""
     return comm.start_max(torch.tensor([key_digest, -key_digest], dtype=torch.int64, device=device), group)
 
 
@@ -205,7 +202,7 @@ def nonfinite_groups(grads: Sequence[Tensor]) -> tuple[tuple[int, ...], ...]:
 @dataclass
 class Flags:
     """Where the flags sit in the buffers of the exchange carrying them: (peers, FLAG_ELEMENTS),
-    at the head of every segment (``dmuon_fsdp.exchange``), and this rank's flags when nothing is
+    at the head of every segment (``dmuon_fsdp._step.schedule``), and this rank's flags when nothing is
     wrong here (``values``, comm dtype, on the device) for the digest they were made for: made
     anew only when the per-step options change (``hyper_digest``)."""
 

@@ -32,7 +32,7 @@ class Plan:
     Forward exchange (gather): each sender of matrix j sends its piece to j's owner. Reverse
     exchange (scatter): the owner sends every rank that holds a piece of j that piece of the
     result, replicas included. Ranks are numbered by exchange-mesh index; how the pieces sit in
-    the buffers of each all-to-all is ``dmuon_fsdp.exchange``'s business.
+    the buffers of each all-to-all is ``dmuon_fsdp._step.schedule``'s business.
     """
 
     matrices: tuple[MatrixLayout, ...]
@@ -66,7 +66,7 @@ class Plan:
         Each piece crosses the wire at most once each way: one copy of every matrix reaches its
         owner, and each rank receives exactly the pieces it holds; no schedule that runs each
         matrix's NS on one rank moves less. A cost model: the wire format itself (buffer order,
-        split sizes) is ``dmuon_fsdp.exchange``'s, which checks its totals against this.
+        split sizes) is ``dmuon_fsdp._step.schedule``'s, which checks its totals against this.
         """
         total = 0
         for j, (m, owner) in enumerate(zip(self.matrices, self.owners, strict=True)):

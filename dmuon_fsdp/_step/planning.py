@@ -1,10 +1,8 @@
-"""The program cache: each step key's program planned, agreed on, bound and kept.
-
-``plan_program`` runs the pipeline for a ``StepKey``: layouts (every rank's piece of each Muon
-matrix) -> each matrix's Newton-Schulz form and cost -> plan (owners, buckets) -> agreement over
-the ranks (one ``all_reduce``, with a check on) -> this rank's schedule; ``dmuon_fsdp.binding``
-then makes it into tensors. ``ProgramCache`` keeps the plans of the step keys seen lately and
-their bound programs, and decides which one a step runs: bound, bound anew, or planned.
+"""Planning a step key's program: ``plan_program`` runs the pipeline for a ``StepKey``: layouts
+(every rank's piece of each Muon matrix) -> each matrix's Newton-Schulz form and cost -> plan
+(owners, buckets) -> agreement over the ranks (one ``all_reduce``, with a check on) -> this
+rank's schedule. The result (``Planned``) holds no tensors; ``dmuon_fsdp._step.binding`` makes
+it into tensors.
 """
 
 from __future__ import annotations
@@ -102,7 +100,7 @@ def plan_program(
     rowed = frozenset(j for j, form in enumerate(forms) if form.variant is not None)
     per_row = PerRow(rowed, width=2 if settings.comm_dtype.itemsize == 2 else 1)  # float32 bits
     # Steps begun in backward start the buckets before the carrier from hooks, as many as the
-    # slots hold with one to spare for the carrier (see dmuon_fsdp.program, the bucket loop).
+    # slots hold with one to spare for the carrier (see dmuon_fsdp._step.run, the bucket loop).
     carrier = min(SLOTS - 1, len(plan.buckets) - 1) if settings.in_backward else 0
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, flag_elements, max(carrier, 0), per_row)
     return Planned(plan, tuple(forms), schedule)

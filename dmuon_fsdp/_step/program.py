@@ -1,34 +1,10 @@
-"""The step program and its run: one plan's schedule bound to tensors, executed bucket by bucket.
+"""The step program: one plan's schedule bound to tensors on this rank.
 
 A ``StepProgram`` holds everything a step of one plan needs on this rank, as parts that each
 know their own few foreach ops (``Copies``, ``Batch``, ``Updates``, ``Stage``, one
-``BucketProgram`` per bucket); ``dmuon_fsdp.binding`` binds it once per plan into the shared
-buffers (``dmuon_fsdp.exchange``). ``StepRun`` executes a step with it, top to bottom, in these
-phases (the names ``StepStats`` and a profiler trace use):
-
-- ``momentum``: a bucket's NS inputs, written straight into its send buffer and own stacks
-  (foreach ops; the momentum buffers are only read), and this rank's check flags into the
-  exchange that carries them;
-- ``wait``: blocked on an all-to-all; the one carrying the flags brings every rank's, read once
-  into the verdict (``dmuon_fsdp.checks``), before anything is committed;
-- ``commit``: weight decay after the verdict, the momentum buffers at the end; ``adamw``:
-  torch's functional AdamW;
-- per bucket, ``assemble`` (received pieces into (B, s, l) stacks), ``newton_schulz`` (in place
-  per stack) and ``return`` (results into the return buffer, the exchange back launched);
-- ``apply``: p -= lr * scale * O, one foreach add per bucket and step size.
-
-[Note: the bucket loop] Every step, plain or begun in backward, runs ``StepRun.run``: for each
-bucket k in order, launch the exchanges to the owners through bucket k + 1 (with ``overlap``;
-else k), and at least through the carrier of the flags; wait for bucket k's pieces; at the
-carrier, read the verdict and commit weight decay and AdamW; apply bucket k - 2 (its way back
-shares bucket k's slot, see [Note: slots]); assemble, orthogonalize and launch the way back.
-Bucket k + 2 takes bucket k's way to the owners only after bucket k's results were collected,
-and bucket k's way back is applied before bucket k + 2 is orthogonalized; so ``SLOTS`` sets of
-buffers serve every bucket. The carrier is bucket 0, or for steps begun in backward the first
-bucket launched at ``step`` (``RankSchedule.carrier``): gradients' hooks launch the buckets
-before it, which the loop then finds launched. Exchanges are issued in the same order on every
-rank: to the owners 0, 1, back 0, to 2, back 1, ... A steady-state step dispatches a fixed
-number of ops per param group, bucket and NS batch, whatever the number of parameters or ranks.
+``BucketProgram`` per bucket), and the verdict and commits around the carrier of the flags;
+``dmuon_fsdp._step.binding`` binds it once per plan into the shared buffers
+(``dmuon_fsdp._step.buffers``), and ``dmuon_fsdp._step.run`` runs it.
 """
 
 from __future__ import annotations
@@ -147,7 +123,7 @@ class Updates:
 
 @dataclass(frozen=True)
 class BucketProgram:
-    """One bucket bound to its slot's buffers (see ``dmuon_fsdp.exchange``), in the order a step
+    """One bucket bound to its slot's buffers (see ``dmuon_fsdp._step.buffers``), in the order a step
     runs it: ``stage`` makes its NS inputs, ``to_owners`` carries them, ``assemble`` stacks what
     arrived, ``batches`` orthogonalize (and ``row_steps`` run the row variants), ``collect``
     fills the way back, ``from_owners`` returns the results, ``updates`` and ``writes`` apply

@@ -1,16 +1,13 @@
-"""The step program and its run: one plan's schedule bound to tensors, executed bucket by bucket.
+"""A step under way: a bound program (``dmuon_fsdp._step.program``) run bucket by bucket.
 
-A ``StepProgram`` holds everything a step of one plan needs on this rank, as parts that each
-know their own few foreach ops (``Copies``, ``Batch``, ``Updates``, ``Stage``, one
-``BucketProgram`` per bucket); ``dmuon_fsdp.binding`` binds it once per plan into the shared
-buffers (``dmuon_fsdp.exchange``). ``StepRun`` executes a step with it, top to bottom, in these
+``StepRun`` executes a step of a program, top to bottom, in these
 phases (the names ``StepStats`` and a profiler trace use):
 
 - ``momentum``: a bucket's NS inputs, written straight into its send buffer and own stacks
   (foreach ops; the momentum buffers are only read), and this rank's check flags into the
   exchange that carries them;
 - ``wait``: blocked on an all-to-all; the one carrying the flags brings every rank's, read once
-  into the verdict (``dmuon_fsdp.checks``), before anything is committed;
+  into the verdict (``dmuon_fsdp._step.flags``), before anything is committed;
 - ``commit``: weight decay after the verdict, the momentum buffers at the end; ``adamw``:
   torch's functional AdamW;
 - per bucket, ``assemble`` (received pieces into (B, s, l) stacks), ``newton_schulz`` (in place

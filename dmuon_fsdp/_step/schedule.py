@@ -95,7 +95,7 @@ class RankSchedule:
     """Every exchange of a plan seen from plan rank ``rank``; ``peers[g]`` is the plan rank of
     process-group rank g. The exchange to owners of bucket ``carrier`` carries the step's check
     flags when the job has more than one rank: the first bucket's, or for a step started in
-    backward the first one launched at ``step`` (see ``dmuon_fsdp.program``, the bucket loop);
+    backward the first one launched at ``step`` (see ``dmuon_fsdp._step.run``, the bucket loop);
     a plan without matrices gets one empty bucket for them. ``per_row``: which matrices'
     per-row numbers travel."""
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.autograd.profiler as autograd_profiler
 
-# The phases of a step, in order (``dmuon_fsdp.program`` says what each does); ``wait`` recurs.
+# The phases of a step, in order (``dmuon_fsdp._step.run`` says what each does); ``wait`` recurs.
 PHASES = ("momentum", "wait", "commit", "adamw", "assemble", "newton_schulz", "return", "apply")
 
 
@@ -30,7 +30,7 @@ class StepStats:
     ``collectives`` (all-to-alls launched) and ``buffer_bytes`` (the buffers the optimizer keeps
     between steps: the two slots' exchange buffers, stacks of owned matrices, staging and scratch
     copies, and the NS workspace, which every bucket and every kept program share:
-    ``dmuon_fsdp.exchange``).
+    ``dmuon_fsdp._step.buffers``).
     With ``timed=True``, ``seconds[phase]`` holds the time of each of ``PHASES``, summed over the
     step: on CPU the host's (``wait``: blocked on an all-to-all); on accelerators the device's,
     between events recorded on the current stream at the phase's start and end (``wait``: the

@@ -1,5 +1,4 @@
-"""A model's parameters in the optimizer: routed (hidden matrices to Muon; embeddings, output
-head and vectors to AdamW), and followed when a framework replaces them in ``param_groups``.
+"""Following parameters a framework replaced in ``param_groups``.
 
 HF Accelerate (and the transformers Trainer through it) builds the optimizer on the unsharded
 model, calls ``fully_shard``, then puts each sharded DTensor where its unsharded parameter was

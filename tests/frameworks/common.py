@@ -70,7 +70,7 @@ def finish(result, path: str) -> None:
     The gathers of ``snapshot`` (DTensor's, as the frameworks' own collectives) leave their
     tensors to gloo's worker threads, which drop them when they next run; a drop after
     interpreter finalization began aborts the process ("terminate called without an active
-    exception"; DMuonFSDP's own collectives wait for it, see ``dmuon_fsdp.comm.settle``). On 2
+    exception"; DMuonFSDP's own collectives wait for it, see ``dmuon_fsdp._step.comm.settle``). On 2
     busy cores a job that exits right after such gathers aborted in 8 of 58 runs. A fixed pause
     (0.2 s before) is a guess that a busier machine outlasts, so every rank waits until the
     workers have had their turn (``let_threads_run``).

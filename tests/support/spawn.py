@@ -49,7 +49,7 @@ def _rank_main(
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         # Rank 0 hosts the job's store: none may leave while another still needs it (a rank
         # that ends early, e.g. on an expected error, would reset the others' connections). A
-        # settled collective (see dmuon_fsdp.comm.settle) leaves nothing to release at exit; a
+        # settled collective (see dmuon_fsdp._step.comm.settle) leaves nothing to release at exit; a
         # group the test left broken on purpose (a timed-out collective) fails it, which is fine.
         with contextlib.suppress(RuntimeError):
             comm.all_max(torch.zeros(1), None)

@@ -46,7 +46,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
+from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.flags import StepKey, Verdict
 from dmuon_fsdp._step.program import StepProgram
 from dmuon_fsdp._step.run import StepRun
@@ -77,10 +79,9 @@ class Progress:
     joining: bool = False  # the end of backward waits for the side stream
 
     @classmethod
-    def of(cls, program: StepProgram, timed: bool) -> Progress:
+    def of(cls, program: StepProgram, options: Options) -> Progress:
         missing = [len(bucket.needs) for bucket in program.buckets]
-        run = StepRun(program, StepStats(program.device, timed=timed))
-        return cls(run, missing, [None] * len(program.entries))
+        return cls(StepRun.of(program, options), missing, [None] * len(program.entries))
 
     @property
     def program(self) -> StepProgram:
@@ -155,7 +156,7 @@ class BackwardStart:
         self._warned = False
         weakref.finalize(self, _remove, self._hooks)  # an optimizer gone leaves no hooks behind
 
-    def arm(self, program: StepProgram, groups: Sequence[dict[str, Any]], timed: bool) -> None:
+    def arm(self, program: StepProgram, groups: Sequence[dict[str, Any]], options: Options) -> None:
         """Hook ``program``'s parameters (once per program) and expect the next backward."""
         if program is not self._program:
             self.disarm()
@@ -173,7 +174,7 @@ class BackwardStart:
                 if param.requires_grad:  # else its buckets start at ``step``
                     self._hooks.append(param.register_post_accumulate_grad_hook(partial(_landed, me, i)))
         self._groups = groups  # the optimizer's list (a load may replace it)
-        self._progress = Progress.of(program, timed)
+        self._progress = Progress.of(program, options)
 
     def disarm(self) -> None:
         """Remove the hooks; a step under way is brought to where every rank stands alike."""
@@ -189,9 +190,7 @@ class BackwardStart:
         if progress is None or param.grad is None:
             return
         grad = local_shard(param.grad)
-        program = progress.program
-        expected = (program.grad_shapes[i], program.grad_dtypes[i], torch.strided)
-        if (grad.shape, grad.dtype, grad.layout) != expected:
+        if not progress.program.fits(i, grad):
             progress.halted = True  # the step explains it, on every rank
         if progress.grads[i] is not None:  # again: accumulating (or a second backward)
             progress.stale |= i in progress.used
@@ -237,13 +236,15 @@ class BackwardStart:
     def run(
         self,
         program: StepProgram,
-        grads: Sequence[Tensor | None],
+        local: list[Tensor] | None,
         groups: Sequence[dict[str, Any]],
         key: StepKey,
         options: Options,
-        bound: bool,
     ) -> tuple[Verdict, StepStats]:
-        """The step (see the module docstring); returns the verdict and what this rank did."""
+        """The step from where backward left it (see the module docstring), with this rank's
+        gradients ``local`` (None when they do not fit ``program``); returns the verdict and what
+        this rank did. A verdict of ``REDO`` (gradients changed after backward read them, on some
+        rank) asks for the step again from the final gradients, as a plain step."""
         progress, self._progress = self._progress, None  # hooks do nothing until armed again
         rebound = False
         if progress is not None and progress.program is not program:
@@ -257,26 +258,26 @@ class BackwardStart:
                 self._settle(progress)
                 progress = None
         if progress is None:
-            progress = Progress.of(program, options.time_phases)
+            progress = Progress.of(program, options)
         if self._side is not None:
             self._side.join()
-        verdict = _complete(progress, grads, groups, key, options, bound, rebound)
-        if verdict is Verdict.REDO:
-            if not self._warned and not rebound:
-                self._warned = True
-                warnings.warn(
-                    "DMuonFSDP(overlap_backward=True): gradients changed after backward began the step "
-                    "(clip_grad_norm_, GradScaler.unscale_, a pipelining schedule's scale_grads, or a "
-                    "backward accumulating into synced gradients), so the step was redone from the final "
-                    "gradients; clip with dmuon_fsdp.clip_grad_norm_, build pipelining schedules with "
-                    "scale_grads=False (as torchtitan does; scale the loss instead), and under FSDP2 "
-                    "accumulate with set_requires_gradient_sync(False), to keep the overlap (warned once)",
-                    stacklevel=4,
-                )
-            progress = Progress.of(program, options.time_phases)
-            progress.run.stats.redone = True
-            verdict = _complete(progress, grads, groups, key, options, bound, False)
-        return verdict, progress.run.stats
+        run = progress.run
+        run.stats.started_in_backward = run.launched
+        redo = local is not None and (rebound or progress.replaced(local, groups))
+        changed = progress.rewritten(local) if local is not None and not redo else None
+        verdict = run.run(local, groups, key, options, redo=redo, changed=changed)
+        if verdict is Verdict.REDO and not self._warned and not rebound:
+            self._warned = True
+            warnings.warn(
+                "DMuonFSDP(overlap_backward=True): gradients changed after backward began the step "
+                "(clip_grad_norm_, GradScaler.unscale_, a pipelining schedule's scale_grads, or a "
+                "backward accumulating into synced gradients), so the step was redone from the final "
+                "gradients; clip with dmuon_fsdp.clip_grad_norm_, build pipelining schedules with "
+                "scale_grads=False (as torchtitan does; scale the loss instead), and under FSDP2 "
+                "accumulate with set_requires_gradient_sync(False), to keep the overlap (warned once)",
+                stacklevel=4,
+            )
+        return verdict, run.stats
 
 
 @torch.compiler.disable(recursive=True)  # compiled autograd calls it eagerly, never traces it
@@ -292,24 +293,22 @@ def _remove(hooks: list[Any]) -> None:
     hooks.clear()
 
 
-def _complete(
-    progress: Progress,
-    grads: Sequence[Tensor | None],
-    groups: Sequence[dict[str, Any]],
-    key: StepKey,
-    options: Options,
-    bound: bool,
-    rebound: bool,
-) -> Verdict:
-    """The bucket loop from where backward left it (``StepRun.run``), with this rank's finding
-    of gradients that changed since (``rebound``: the program was bound anew since backward
-    started the step: redo it)."""
-    run = progress.run
-    run.stats.started_in_backward = run.launched
-    local = run.program.local_grads(grads) if bound and key == run.program.key else None
-    redo = local is not None and (rebound or progress.replaced(local, groups))
-    changed = progress.rewritten(local) if local is not None and not redo else None
-    return run.run(local, groups, key, options, redo=redo, changed=changed)
+def overlap_refusal(groups: Sequence[dict[str, Any]], names: dict[Tensor, str]) -> str | None:
+    """Why steps cannot begin in backward for these groups, or None: every Muon gradient must be
+    final when its post-accumulate-grad hook fires. FSDP2 and DTensor parameters, and plain
+    tensors in one process, are; plain tensors in a job of several ranks (DDP) are all-reduced
+    after their hooks, so such a job steps plainly (the optimizer says so at the next step, not
+    at construction: one built before ``fully_shard`` holds plain tensors until it follows)."""
+    world = comm.default_world_size()
+    muon = [p for group in groups if group["use_muon"] for p in group["params"]]
+    plain = next((p for p in muon if not isinstance(p, DTensor)), None)
+    if world > 1 and plain is not None:
+        return (
+            f"DMuonFSDP(overlap_backward=True): {names[plain]} is a plain tensor in a job of "
+            f"{world} ranks (replicated, as under DDP), whose gradients are all-reduced after their "
+            "hooks fire; the steps run after backward instead"
+        )
+    return None
 
 
 def clip_grad_norm_(

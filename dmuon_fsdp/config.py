@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from dmuon_fsdp._step import comm
-from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, resolve_coefficients
+from dmuon_fsdp.newton_schulz import NS_ALGORITHMS, default_ns_dtype, resolve_coefficients
 from dmuon_fsdp.normuon import NORMUON
 
 if TYPE_CHECKING:
+    from dmuon_fsdp._step import comm
     from dmuon_fsdp.variants import RowVariant
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -106,6 +106,30 @@ class Options:
 
 OPTIMIZER_WIDE = tuple(f.name for f in dataclasses.fields(Options))
 
+# The options every param group holds (defaults from the constructor's arguments; a group sets
+# its own, an AdamW group's ``adamw_*`` as ``lr``, ``betas``, ``eps``, ``weight_decay``).
+GROUP_OPTIONS = (
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "ns_steps",
+    "ns_coefficients",
+    "ns_algorithm",
+    "eps",
+    "adjust_lr_fn",
+    "adamw_lr",
+    "adamw_betas",
+    "adamw_eps",
+    "adamw_weight_decay",
+    "flatten",
+    "split_sizes",
+    "num_heads",
+    "variant",
+    "normuon_beta2",
+    "normuon_eps",
+)
+
 
 class Option:
     """An optimizer-wide option as an attribute of the optimizer (its ``_options`` record).
@@ -141,6 +165,16 @@ class Settings:
     check_grads: bool
     nonfinite: str
     in_backward: bool  # steps start in backward (``dmuon_fsdp.backward``): its plan, groups, carrier
+
+    @classmethod
+    def resolve(
+        cls, options: Options, site: comm.ExchangeSite, device: torch.device, in_backward: bool
+    ) -> Settings:
+        """``options`` for parameters on ``device`` (dtypes left None take the device's default)."""
+        ns_dtype = options.ns_dtype or default_ns_dtype(device)
+        comm_dtype = options.comm_dtype or ns_dtype
+        checks = (options.check_grads, options.nonfinite)
+        return cls(site, device, ns_dtype, comm_dtype, options.bucket_bytes, *checks, in_backward)
 
     @property
     def exchange_group(self) -> comm.ExchangeGroup:

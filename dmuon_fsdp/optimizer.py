@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dmuon_fsdp._step import comm
@@ -21,9 +20,9 @@ from dmuon_fsdp._step.run import StepRun
 from dmuon_fsdp._step.state import check_state_dict, initial_state, restore_state
 from dmuon_fsdp._step.stats import StepStats
 from dmuon_fsdp._step.swaps import follow, follow_fully_shard
-from dmuon_fsdp.backward import BackwardStart
-from dmuon_fsdp.config import Option, Options, Settings, check_lr
-from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, default_ns_dtype
+from dmuon_fsdp.backward import BackwardStart, overlap_refusal
+from dmuon_fsdp.config import GROUP_OPTIONS, OPTIMIZER_WIDE, Option, Options, Settings, check_lr
+from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS
 from dmuon_fsdp.routing import check_new_groups, refuse_other_names, routing, split_group
 
 
@@ -145,44 +144,20 @@ class DMuonFSDP(Optimizer):
         normuon_eps: float = 1e-8,
         **other: Any,
     ):
+        arguments = dict(locals())  # (first: nothing else is a local yet)
         # Other optimizers' names (AdamW's betas, fused, ...) get the name to use, not a bare TypeError.
         refuse_other_names(other, list(inspect.signature(DMuonFSDP.__init__).parameters))
         check_lr(lr)  # before torch looks at params, as torch's own optimizers do
-        self._options = Options(
-            ns_dtype, comm_dtype, bucket_bytes, overlap, time_phases, nonfinite, check_grads, overlap_backward
-        )
+        self._options = Options(**{name: arguments[name] for name in OPTIMIZER_WIDE})
         self.last_step_stats: StepStats | None = None
         self._names: dict[Tensor, str] = {}
         self._muon_meshes: dict[Any, str] = {}  # each Muon parameter's mesh -> one parameter's name
         self._indexed: list[tuple[int, Tensor]] = []  # (group index, parameter), optimizer order
         self._params: list[Tensor] = []  # the same parameters alone
         self._state_written = False  # a step or a load has written state (else swaps make it anew)
-        self._warned_no_grads = False  # a step without any gradient warns once
-        self._programs = ProgramCache()
-        self._backward = BackwardStart()
-        self._no_overlap_reason: str | None = None  # why not, said at the next step
+        self._start_runtime()
         self._route = routing(route) if route is not None else None
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients,
-            ns_algorithm=ns_algorithm,
-            eps=eps,
-            adjust_lr_fn=adjust_lr_fn,
-            adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay,
-            flatten=flatten,
-            split_sizes=split_sizes,
-            num_heads=num_heads,
-            variant=variant,
-            normuon_beta2=normuon_beta2,
-            normuon_eps=normuon_eps,
-        )
+        defaults = {name: arguments[name] for name in GROUP_OPTIONS}
         super().__init__(params, defaults)
         self._route = None  # holding the model's tensors would keep them alive after a swap
 
@@ -236,53 +211,30 @@ class DMuonFSDP(Optimizer):
                 self.state[p].update(initial_state(p, self.param_groups[g]))
         self._set_meshes(meshes)
 
+    def _start_runtime(self) -> None:
+        """What is made anew rather than kept by a copy: the programs, the hooks, what was said."""
+        self._programs, self._backward, self._route = ProgramCache(), BackwardStart(), None
+        self._warned_no_grads = False  # a step without any gradient warns once
+        self._no_overlap_reason: str | None = None  # why steps do not begin in backward (said once)
+
     def _set_meshes(self, meshes: dict[Any, str]) -> None:
         """The parameters or their meshes changed: a new exchange site and a new program."""
         self._muon_meshes = meshes
         self._programs.clear()
         self._backward.disarm()
-        in_backward = self._options.overlap_backward and self._hooks_see_final_grads()
-        self._settings = self._resolve(comm.exchange_site(meshes, self._params), in_backward)
+        wanted = self._options.overlap_backward
+        self._no_overlap_reason = overlap_refusal(self.param_groups, self._names) if wanted else None
+        self._configure(comm.exchange_site(meshes, self._params), wanted and not self._no_overlap_reason)
 
     def _set_options(self, options: Options) -> None:
         """A settable option changed (``config.Option``)."""
         self._options = options
-        self._settings = self._resolve(self._settings.site, self._settings.in_backward)
+        self._configure(self._settings.site, self._settings.in_backward)
 
-    def _resolve(self, site: comm.ExchangeSite, in_backward: bool) -> Settings:
+    def _configure(self, site: comm.ExchangeSite, in_backward: bool) -> None:
         """The settings steps run with: the options resolved for the parameters' device."""
-        options = self._options
         device = self._params[0].device if self._params else torch.device("cpu")
-        ns_dtype = options.ns_dtype or default_ns_dtype(device)
-        comm_dtype = options.comm_dtype or ns_dtype
-        return Settings(
-            site,
-            device,
-            ns_dtype,
-            comm_dtype,
-            options.bucket_bytes,
-            options.check_grads,
-            options.nonfinite,
-            in_backward,
-        )
-
-    def _hooks_see_final_grads(self) -> bool:
-        """Whether every Muon gradient is final when its post-accumulate-grad hook fires: FSDP2 and
-        DTensor parameters, and plain tensors in one process, yes; plain tensors in a job of
-        several ranks (DDP) are all-reduced after their hooks, so such a job steps plainly, which
-        the next step says (not construction: an optimizer built before ``fully_shard`` holds
-        plain tensors until its first step follows the sharded ones)."""
-        world = comm.default_world_size()
-        muon = [p for group in self.param_groups if group["use_muon"] for p in group["params"]]
-        plain = next((p for p in muon if not isinstance(p, DTensor)), None)
-        self._no_overlap_reason = None
-        if world > 1 and plain is not None:
-            self._no_overlap_reason = (
-                f"DMuonFSDP(overlap_backward=True): {self._names[plain]} is a plain tensor in a job of "
-                f"{world} ranks (replicated, as under DDP), whose gradients are all-reduced after their "
-                "hooks fire; the steps run after backward instead"
-            )
-        return self._no_overlap_reason is None
+        self._settings = Settings.resolve(self._options, site, device, in_backward)
 
     def _follow_swaps(self) -> None:
         """Follow tensors a framework replaced in ``param_groups`` (see ``dmuon_fsdp._step.swaps``);
@@ -309,8 +261,7 @@ class DMuonFSDP(Optimizer):
         super().__setstate__(state)
         if fresh:
             self._params = [p for _, p in self._indexed]
-            self._programs, self._backward, self._route = ProgramCache(), BackwardStart(), None
-            self._warned_no_grads, self._no_overlap_reason = False, None
+            self._start_runtime()
             self._set_meshes(check_new_groups(self.param_groups, self._names, {}, {}))
 
     def state_dict(self) -> dict[str, Any]:
@@ -361,40 +312,36 @@ class DMuonFSDP(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._follow_swaps()
-        if self._run() is Verdict.REBUILD:  # every rank's gradients or options changed alike
-            self._programs.follow()
-            self._run()
+        self._run()
+        self._say_once()
         return loss
 
-    def _run(self) -> Verdict:
-        """One step with the program for this step's key (see ``dmuon_fsdp._step.run``)."""
+    def _run(self, rebuilt: bool = False) -> None:
+        """One step with the program for this step's key (see ``dmuon_fsdp._step.run``), then what
+        its verdict, the same on every rank, asks for."""
         if self._params and self._params[0].device != self._settings.device:  # moved (model.to, to_empty)
-            self._settings = self._resolve(self._settings.site, self._settings.in_backward)
+            self._configure(self._settings.site, self._settings.in_backward)
         groups, options, settings = self.param_groups, self._options, self._settings
         grads = [p.grad for p in self._params]
         key = StepKey.of(groups, grads, checked=options.check_grads or options.nonfinite != "ignore")
         if not all(key.has_grad) and follow_fully_shard(groups, self._names):  # (they get no gradient)
             self._follow_swaps()
-            return self._run()
-        if self._no_overlap_reason is not None:
-            warnings.warn(self._no_overlap_reason, stacklevel=3)
-            self._no_overlap_reason = None
-        if self._params and not any(key.has_grad) and not self._warned_no_grads:
-            self._warned_no_grads = True
-            warnings.warn(
-                "DMuonFSDP.step(): no parameter has a gradient, so nothing is updated (said once): was "
-                "backward run, and are these the model's parameters? (a model whose parameters were "
-                "replaced after the optimizer was built, as by fully_shard or to_empty, trains nothing)",
-                stacklevel=3,
-            )
+            return self._run(rebuilt)
         ready = self._programs.get(key, self._params, groups, self.state, self._names, settings)
+        if ready.program is None:  # every rank found trouble while planning
+            self._programs.raise_alike(groups, self.state, self._names, settings, shared=ready.shared)
         program = ready.program
+        local = program.local_grads(grads) if ready.bound and key == program.key else None
         if settings.in_backward:
-            verdict, stats = self._backward.run(program, grads, groups, key, options, ready.bound)
+            verdict, stats = self._backward.run(program, local, groups, key, options)
         else:
-            run = StepRun(program, StepStats(settings.device, timed=options.time_phases))
-            local = program.local_grads(grads) if ready.bound and key == program.key else None
+            run = StepRun.of(program, options)
             verdict, stats = run.run(local, groups, key, options, ready.agreement), run.stats
+        if verdict is Verdict.REDO:  # gradients changed after backward read them: from the final ones
+            run = StepRun.of(program, options)
+            verdict, stats = run.run(local, groups, key, options), run.stats
+            stats.redone = True
+        stats.skipped = verdict is Verdict.SKIP
         stats.buffer_bytes = self._programs.buffer_bytes
         stats.settle_times()
         self.last_step_stats = stats
@@ -402,10 +349,29 @@ class DMuonFSDP(Optimizer):
             self._programs.raise_alike(
                 groups, self.state, self._names, settings, shared=program.flags is not None
             )
+        if verdict is Verdict.REBUILD:  # every rank's gradients or options changed alike
+            if not rebuilt:
+                self._programs.follow()
+                self._run(rebuilt=True)
+            return None
         self._state_written |= verdict is Verdict.GO
-        if settings.in_backward and verdict is not Verdict.REBUILD:
+        if settings.in_backward:
             if self._programs.repeated:  # the next backward starts this program's buckets
-                self._backward.arm(program, groups, options.time_phases)
+                self._backward.arm(program, groups, options)
             else:  # gradient sets that change: steps run after backward, nothing started in vain
                 self._backward.disarm()
-        return verdict
+        return None
+
+    def _say_once(self) -> None:
+        """After a step: why steps do not begin in backward, and a step without any gradient."""
+        if self._no_overlap_reason is not None:
+            warnings.warn(self._no_overlap_reason, stacklevel=3)
+            self._no_overlap_reason = None
+        if self._params and all(p.grad is None for p in self._params) and not self._warned_no_grads:
+            self._warned_no_grads = True
+            warnings.warn(
+                "DMuonFSDP.step(): no parameter has a gradient, so nothing is updated (said once): was "
+                "backward run, and are these the model's parameters? (a model whose parameters were "
+                "replaced after the optimizer was built, as by fully_shard or to_empty, trains nothing)",
+                stacklevel=3,
+            )

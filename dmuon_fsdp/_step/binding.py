@@ -15,7 +15,7 @@ collective or writes a buffer: ``dmuon_fsdp._step.run`` runs what it binds.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -228,15 +228,11 @@ class _Binder:
         to, back = regions[TO, k % SLOTS], regions[BACK, k % SLOTS]
         batches, matrix, row_steps, owned_rows = self.batches(bucket.owned, to, back)
         group = self.settings.exchange_group.process_group
-        comm_dtype, ns_dtype = self.settings.comm_dtype, self.settings.ns_dtype
+        comm_dtype = self.settings.comm_dtype
 
         def region(t: Transfer) -> Tensor:
             p = t.piece
             return matrix[t.matrix][p.row : p.row + p.rows, p.col : p.col + p.cols]
-
-        def kept(transfers: Sequence[Transfer], dtype: torch.dtype, region: Region) -> list[Tensor]:
-            """A copy of each own piece, without per-row numbers, in ``dtype`` from ``region``."""
-            return [s.piece for s in staging([replace(t, per_row=0) for t in transfers], dtype, region)]
 
         # The way to the owners: NS inputs (``feeds``) into the send buffer and own stacks.
         to_owners = wired(bucket.to_owners, comm_dtype, to, group)
@@ -246,7 +242,7 @@ class _Binder:
             assemble.add(region(slot.transfer), slot.piece)
         own = list(bucket.own_pieces)
         if self.staged:
-            for t, piece in zip(own, kept(own, comm_dtype, to), strict=True):
+            for t, piece in zip(own, _kept(own, comm_dtype, to), strict=True):
                 feeds.append((piece, t))
                 assemble.add(region(t), piece)
         else:
@@ -255,37 +251,12 @@ class _Binder:
         reads = tuple(sorted({self.entry_of(t.matrix) for _, t in feeds}))
         needs = tuple(sorted({self.entry_of(j) for j in self.plan_bucket(k)}))
 
-        # The way back: results into the return buffer; own ones stay in the stack unless a
-        # later bucket of this slot would overwrite it before they are applied.
-        from_owners = wired(bucket.from_owners, comm_dtype, back, group)
-        collect = Copies([], [])
-        for slot in from_owners.sent:
-            collect.add(slot.piece, region(slot.transfer))
-        returned = [(slot.transfer, slot.piece) for slot in from_owners.received]
-        results = list(bucket.own_results)
-        if self.staged or k + SLOTS < len(self.schedule.buckets):
-            # through the wire's dtype (replicas round results alike), or kept from being overwritten
-            copies = kept(results, comm_dtype if self.staged else ns_dtype, back)
-            for t, piece in zip(results, copies, strict=True):
-                collect.add(piece, region(t))
-        else:
-            copies = [region(t) for t in results]
-        returned += zip(results, copies, strict=True)
+        from_owners, collect, returned = self.way_back(k, bucket, back, region)
 
         writes = Copies([], [])  # a row variant's new state into the holders' state, its factors out
         factors = self.carry_rows(
             bucket, to_owners, from_owners, owned_rows, back, spread, assemble, collect, writes
         )
-        updates: dict[tuple[int, float], Updates] = {}
-        for t, direction in returned:
-            cls = self.update_class(t.matrix)
-            row_factors = factors.get(t)
-            u = updates.setdefault(cls, Updates(*cls, [], [], [] if row_factors is not None else None))
-            u.params.append(piece_of(self.locals[self.entry_of(t.matrix)], t.piece))
-            u.directions.append(direction)
-            if row_factors is not None:
-                assert u.factors is not None  # a group's matrices all have its row variant, or none
-                u.factors.append(row_factors.view(-1, 1))
         for name, r in ((TO, to), (BACK, back)):
             self.needed[name, k % SLOTS] = max(self.needed[name, k % SLOTS], r.used)
         return BucketProgram(
@@ -298,9 +269,48 @@ class _Binder:
             row_steps,
             collect,
             from_owners.exchange,
-            tuple(updates.values()),
+            self.updates(returned, factors),
             writes,
         )
+
+    def way_back(
+        self, k: int, bucket: BucketSchedule, back: Region, region: Callable[[Transfer], Tensor]
+    ) -> tuple[Wired, Copies, list[tuple[Transfer, Tensor]]]:
+        """Bucket ``k``'s way back: results into the return buffer (``collect``), and what each
+        result to apply is (``returned``); own ones stay in the stack (``region``) unless a later
+        bucket of this slot would overwrite it before they are applied."""
+        comm_dtype = self.settings.comm_dtype
+        from_owners = wired(bucket.from_owners, comm_dtype, back, self.settings.exchange_group.process_group)
+        collect = Copies([], [])
+        for slot in from_owners.sent:
+            collect.add(slot.piece, region(slot.transfer))
+        returned = [(slot.transfer, slot.piece) for slot in from_owners.received]
+        results = list(bucket.own_results)
+        if self.staged or k + SLOTS < len(self.schedule.buckets):
+            # through the wire's dtype (replicas round results alike), or kept from being overwritten
+            copies = _kept(results, comm_dtype if self.staged else self.settings.ns_dtype, back)
+            for t, piece in zip(results, copies, strict=True):
+                collect.add(piece, region(t))
+        else:
+            copies = [region(t) for t in results]
+        returned += zip(results, copies, strict=True)
+        return from_owners, collect, returned
+
+    def updates(
+        self, returned: Sequence[tuple[Transfer, Tensor]], factors: dict[Transfer, Tensor]
+    ) -> tuple[Updates, ...]:
+        """Each result applied to its piece of the parameter: one ``Updates`` per step size."""
+        updates: dict[tuple[int, float], Updates] = {}
+        for t, direction in returned:
+            cls = self.update_class(t.matrix)
+            row_factors = factors.get(t)
+            u = updates.setdefault(cls, Updates(*cls, [], [], [] if row_factors is not None else None))
+            u.params.append(piece_of(self.locals[self.entry_of(t.matrix)], t.piece))
+            u.directions.append(direction)
+            if row_factors is not None:
+                assert u.factors is not None  # a group's matrices all have its row variant, or none
+                u.factors.append(row_factors.view(-1, 1))
+        return tuple(updates.values())
 
     def carry_rows(
         self,
@@ -424,3 +434,8 @@ class _Binder:
             if self.groups[e.group]["use_muon"] == muon:
                 out[e.group].append(i)
         return out
+
+
+def _kept(transfers: Sequence[Transfer], dtype: torch.dtype, region: Region) -> list[Tensor]:
+    """A copy of each own piece, without per-row numbers, in ``dtype`` from ``region``."""
+    return [s.piece for s in staging([replace(t, per_row=0) for t in transfers], dtype, region)]

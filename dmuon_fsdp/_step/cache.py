@@ -17,7 +17,7 @@ from dmuon_fsdp._step.buffers import Pool
 from dmuon_fsdp._step.errors import raise_for
 from dmuon_fsdp._step.flags import StepKey, agreed, key_agreement, stale_layouts
 from dmuon_fsdp._step.planner import Plan
-from dmuon_fsdp._step.planning import Planned, plan_program
+from dmuon_fsdp._step.planning import Planned, Trouble, plan_program
 from dmuon_fsdp._step.program import StepProgram
 from dmuon_fsdp._step.state import restore_state
 from dmuon_fsdp.config import Settings
@@ -25,14 +25,16 @@ from dmuon_fsdp.config import Settings
 
 @dataclass(frozen=True)
 class Ready:
-    """The program for a step; ``bound`` False when a parameter or its state changed layout
-    since it was bound (the step then reports that on every rank instead of running);
-    ``agreement``: the agreement on the step key under way, which the step waits for before its
-    first exchange (``agreed``)."""
+    """The program for a step, or None when every rank found, as it planned, that the step
+    cannot run (the error to raise alike shares its findings when ``shared``); ``bound`` False
+    when a parameter or its state changed layout since it was bound (the step then reports that
+    on every rank instead of running); ``agreement``: the agreement on the step key under way,
+    which the step waits for before its first exchange (``agreed``)."""
 
-    program: StepProgram
+    program: StepProgram | None
     bound: bool
     agreement: comm.Handle | None = None
+    shared: bool = False
 
 
 PROGRAMS_KEPT = 4  # step keys whose programs are kept, least recently used dropped
@@ -145,7 +147,7 @@ class ProgramCache:
             # are made (every rank keeps the same plans: an agreed key means the same program)
             if key not in self._plans or settings.in_backward:
                 if not agreed(agreement, key.digest):
-                    self.raise_alike(groups, state, names, settings, shared=True)
+                    return Ready(None, bound=False, shared=True)
                 agreement = None
             self._use(key)
         elif not checked or self._key is None:
@@ -159,11 +161,14 @@ class ProgramCache:
             self._bound.pop(in_use, None)
             del program
             restore_state(groups, state)  # state cleared by hand starts afresh
-            planned = self._plans.get(in_use)
-            if planned is None:
+            if in_use not in self._plans:
                 while len(self._plans) >= PROGRAMS_KEPT:
                     self._bound.pop(self._plans.popitem(last=False)[0], None)
-                planned = self._plans[in_use] = plan_program(in_use, groups, state, names, settings)
+                made = plan_program(in_use, groups, state, names, settings)
+                if isinstance(made, Trouble):
+                    return Ready(None, bound=False, shared=made.shared)
+                self._plans[in_use] = made
+            planned = self._plans[in_use]
             # (a pool that grows lets every kept program go first: they bind anew when used)
             program = bind(
                 planned.plan, planned.forms, planned.schedule, in_use, groups, state, settings, self._pool

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dmuon_fsdp._step.buffers import SLOTS
-from dmuon_fsdp._step.errors import agree_on_plan, raise_for
+from dmuon_fsdp._step.errors import agree_on_plan
 from dmuon_fsdp._step.flags import FLAG_ELEMENTS, StepKey, stale_layouts
 from dmuon_fsdp._step.layouts import MatrixLayout, describe_params
 from dmuon_fsdp._step.planner import Plan, build_plan
@@ -23,6 +23,14 @@ from dmuon_fsdp._step.schedule import PerRow, RankSchedule, rank_schedule
 from dmuon_fsdp.config import Settings, check_groups, row_variant
 from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
 from dmuon_fsdp.routing import group_params, indexed
+
+
+@dataclass(frozen=True)
+class Trouble:
+    """Some rank found a reason not to step while planning, and every rank knows (the plan's
+    agreement); ``shared``: that agreement ran on a group, so the error's findings are shared."""
+
+    shared: bool
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ def _forms(
 
 def plan_program(
     key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings
-) -> Planned:
+) -> Planned | Trouble:
     """A new plan for ``key`` and this rank's schedule; with a check on, one ``all_reduce``
     tells every rank of any rank's trouble and (with ``check_grads``) that all built the same
     plan."""
@@ -91,7 +99,7 @@ def plan_program(
             settings.check_grads,
         )
     if trouble:
-        raise_for(groups, state, names, settings, shared)
+        return Trouble(shared)
     # Options set in param_groups since construction, checked once every rank agreed on them
     check_groups(groups)
     exchange = settings.exchange_group  # after the agreement: every rank asks for the group alike

@@ -230,17 +230,23 @@ class StepProgram:
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields
     generation: int
 
+    def fits(self, i: int, grad: Tensor) -> bool:
+        """Whether a gradient shard can be entry ``i``'s: dense, and shaped and typed as when bound."""
+        return (
+            grad.layout == torch.strided
+            and grad.shape == self.grad_shapes[i]
+            and grad.dtype == self.grad_dtypes[i]
+        )
+
     def local_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor] | None:
-        """This rank's gradient shards in entry order, or None when one is sparse or shaped or
-        typed unlike its parameter (``grads`` holds every optimizer parameter's ``.grad``)."""
+        """This rank's gradient shards in entry order, or None when one does not ``fit``
+        (``grads`` holds every optimizer parameter's ``.grad``)."""
         local = []
         for e in self.entries:
             grad = grads[e.position]
             assert grad is not None  # callers check the step's key: its entries are those with a gradient
             local.append(local_shard(grad))
-        if [g.shape for g in local] != self.grad_shapes or [g.dtype for g in local] != self.grad_dtypes:
-            return None
-        return None if any(g.layout != torch.strided for g in local) else local
+        return local if all(self.fits(i, g) for i, g in enumerate(local)) else None
 
     def moved(self, params: Sequence[Tensor], state: Any) -> bool:
         """Whether a parameter's local storage (``p.data = ...``) or one of its state tensors

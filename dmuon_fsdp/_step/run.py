@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -54,9 +55,19 @@ class StepRun:
 
     program: StepProgram
     stats: StepStats
+    overlap: bool = True  # launch bucket k + 1's exchange before bucket k's NS (the option)
     launched: int = 0
     to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
     from_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, program: StepProgram, options: Options) -> StepRun:
+        return cls(program, StepStats(program.device, timed=options.time_phases), options.overlap)
+
+    def ahead(self, k: int) -> int:
+        """The last bucket whose exchange to the owners is launched before bucket ``k``'s pieces are
+        waited for: ``k + 1`` with ``overlap`` (else ``k``), and at least the carrier."""
+        return min(len(self.program.buckets) - 1, max(k + (1 if self.overlap else 0), self.program.carrier))
 
     def start(self, k: int, grads: list[Tensor] | None, steps: Sequence[MuonStep | None] = ()) -> None:
         """Make bucket ``k``'s NS inputs from ``grads`` (entry order) with the groups' ``steps``
@@ -91,18 +102,15 @@ class StepRun:
         steps = muon_steps(groups, program.device)  # the per-step options, read once
         hyper = hyper_digest(groups) if program.flags is not None else 0  # every rank's alike?
         made = None if redo else local  # a rank that will ask for a redo makes nothing
-        indicator = None
-        verdict = Verdict.GO
-        applied = 0  # buckets whose results were applied
+        flags = partial(program.write_flags, key, hyper, tensor_options(groups), local, options.nonfinite)
+        indicator, verdict, applied = None, Verdict.GO, 0  # (applied: buckets whose results were)
         for k in range(n):
-            while self.launched <= min(n - 1, max(k + (1 if options.overlap else 0), carrier)):
+            while self.launched <= self.ahead(k):
                 with stats.phase("momentum"):
                     if made is not None:
                         program.buckets[self.launched].stage.run(made, steps)
                     if self.launched == carrier:
-                        indicator = program.write_flags(
-                            key, hyper, tensor_options(groups), local, options.nonfinite, redo, changed
-                        )
+                        indicator = flags(redo, changed)
                 if agreement is not None:
                     with stats.phase("wait"):
                         if not agreed(agreement, key.digest):  # every rank's exchanges would differ
@@ -110,15 +118,9 @@ class StepRun:
                     agreement = None
                 self.start(self.launched, None)
             if k == carrier:
+                received = self.to_owners[k]
                 verdict = program.verdict(
-                    self.to_owners[k],
-                    program.key.digest ^ hyper,
-                    local,
-                    indicator,
-                    options,
-                    stats,
-                    redo,
-                    changed,
+                    received, program.key.digest ^ hyper, local, indicator, options, stats, redo, changed
                 )
                 if verdict is not Verdict.GO:
                     return self.abandon(verdict)
@@ -128,7 +130,7 @@ class StepRun:
             if k >= carrier:  # bucket k - 2's way back is bucket k's: applied first
                 applied = self.apply_through(k - SLOTS, applied, steps)
             self.finish(k, discarded=made is None)
-            if not options.overlap and k >= carrier:
+            if not self.overlap and k >= carrier:
                 applied = self.apply_through(k, applied, steps)
         self.apply_through(n - 1, applied, steps)
         assert local is not None  # the carrier (one of the buckets) had a GO verdict
@@ -176,7 +178,6 @@ class StepRun:
         self.settle()
         self.stats.seconds.clear()
         self.stats._events.clear()
-        self.stats.skipped = verdict is Verdict.SKIP
         return verdict
 
     def settle(self) -> None:
@@ -189,9 +190,8 @@ class StepRun:
     def discard(self) -> None:
         """Bring a step that will not be completed to where every rank's is, whatever was started:
         every exchange launched in the loop's order and waited for; nothing made or committed."""
-        n = len(self.program.buckets)
-        for k in range(n):
-            while self.launched <= min(n - 1, max(k + 1, self.program.carrier)):
+        for k in range(len(self.program.buckets)):
+            while self.launched <= self.ahead(k):  # as ``run`` launches them
                 self.start(self.launched, None)
             self.finish(k, discarded=True)
             if k >= SLOTS:

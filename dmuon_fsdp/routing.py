@@ -188,30 +188,20 @@ def _refuse_other_group_names(group: dict[str, Any], index: int, has_muon: bool)
         )
 
 
-def _to_muon(
+def _check_joins(
     p: Tensor,
     name: str,
     known: dict[Tensor, str],
     names: dict[Tensor, str],
     route: dict[Tensor, tuple[str, bool]] | None,
-    use_muon: bool | None,
-) -> bool:
-    """Whether a group's parameter goes to Muon, after checking it may join the optimizer."""
+) -> None:
+    """A parameter may join the optimizer once, and with ``route``, only from that model."""
     if p in known or p in names:  # torch's wording for the case, then which parameter
         where = "some parameters appear in more than one parameter group" if p in known else "a param group"
         first = known.get(p, names.get(p))
         raise ValueError(f"{where}: {name} is passed to the optimizer twice (first as {first})")
     if route is not None and p not in route:
         raise ValueError(f"{name} is not a parameter of the model given as route")
-    to_muon = use_muon if use_muon is not None else route[p][1] if route is not None else p.ndim >= 2
-    if to_muon and p.ndim < 2:
-        raise ValueError(
-            f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon needs a matrix "
-            "(ndim >= 2)"
-        )
-    if p.is_complex():
-        raise ValueError(f"{name}: complex parameters are not supported")
-    return to_muon
 
 
 def split_group(
@@ -248,9 +238,17 @@ def split_group(
             raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
         if not isinstance(item, tuple):
             name = f"{name} (shape {tuple(p.shape)})"
-        to_muon = _to_muon(p, name, known, names, route, use_muon)
+        _check_joins(p, name, known, names, route)
         if route is not None and not isinstance(item, tuple):
             name = route[p][0]
+        to_muon = use_muon if use_muon is not None else route[p][1] if route is not None else p.ndim >= 2
+        if to_muon and p.ndim < 2:
+            raise ValueError(
+                f"{name} has shape {tuple(p.shape)} but its group sets use_muon=True: Muon needs a matrix "
+                "(ndim >= 2)"
+            )
+        if p.is_complex():
+            raise ValueError(f"{name}: complex parameters are not supported")
         names[p] = name
         (muon if to_muon else adamw).append(item)
     _refuse_other_group_names(group, first_group, bool(muon or not adamw))

@@ -36,7 +36,7 @@ from benchmarks.gather_muon import GatherAllMuon
 from benchmarks.matmul_floor import bmm_seconds, ns_throughput_report
 from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups
 from dmuon_fsdp._step import comm
-from dmuon_fsdp._step.stats import PHASES
+from dmuon_fsdp._step.run import PHASES
 from dmuon_fsdp.newton_schulz import default_ns_dtype
 from recipes.model import PRESETS, Transformer, preset
 

@@ -6,7 +6,7 @@ opt = DMuonFSDP(model.parameters(), lr=0.02)      # or DMuonFSDP(param_groups(mo
 
 from dmuon_fsdp._step.errors import GradientMismatchError, NonFiniteGradientError
 from dmuon_fsdp._step.planner import Plan
-from dmuon_fsdp._step.stats import StepStats
+from dmuon_fsdp._step.run import StepStats
 from dmuon_fsdp.backward import clip_grad_norm_
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS, newton_schulz
 from dmuon_fsdp.optimizer import DMuonFSDP

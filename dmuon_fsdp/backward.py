@@ -51,9 +51,8 @@ from torch.distributed.tensor import DTensor
 from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.flags import StepKey, Verdict
 from dmuon_fsdp._step.program import StepProgram
-from dmuon_fsdp._step.run import StepRun
+from dmuon_fsdp._step.run import StepRun, StepStats
 from dmuon_fsdp._step.state import MuonStep, local_shard, muon_steps
-from dmuon_fsdp._step.stats import StepStats
 
 if TYPE_CHECKING:
     from dmuon_fsdp.config import Options

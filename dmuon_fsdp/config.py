@@ -165,6 +165,7 @@ class Settings:
     check_grads: bool
     nonfinite: str
     in_backward: bool  # steps start in backward (``dmuon_fsdp.backward``): its plan, groups, carrier
+    structural: tuple[str, ...]  # ``structural_options()`` (variants are registered before optimizers)
 
     @classmethod
     def resolve(
@@ -174,7 +175,16 @@ class Settings:
         ns_dtype = options.ns_dtype or default_ns_dtype(device)
         comm_dtype = options.comm_dtype or ns_dtype
         checks = (options.check_grads, options.nonfinite)
-        return cls(site, device, ns_dtype, comm_dtype, options.bucket_bytes, *checks, in_backward)
+        return cls(
+            site,
+            device,
+            ns_dtype,
+            comm_dtype,
+            options.bucket_bytes,
+            *checks,
+            in_backward,
+            structural_options(),
+        )
 
     @property
     def exchange_group(self) -> comm.ExchangeGroup:

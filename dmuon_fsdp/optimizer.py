@@ -16,9 +16,8 @@ from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.cache import ProgramCache
 from dmuon_fsdp._step.flags import StepKey, Verdict
 from dmuon_fsdp._step.planner import Plan
-from dmuon_fsdp._step.run import StepRun
+from dmuon_fsdp._step.run import StepRun, StepStats
 from dmuon_fsdp._step.state import check_state_dict, initial_state, restore_state
-from dmuon_fsdp._step.stats import StepStats
 from dmuon_fsdp._step.swaps import follow, follow_fully_shard
 from dmuon_fsdp.backward import BackwardStart, overlap_refusal
 from dmuon_fsdp.config import GROUP_OPTIONS, OPTIMIZER_WIDE, Option, Options, Settings, check_lr
@@ -323,7 +322,8 @@ class DMuonFSDP(Optimizer):
             self._configure(self._settings.site, self._settings.in_backward)
         groups, options, settings = self.param_groups, self._options, self._settings
         grads = [p.grad for p in self._params]
-        key = StepKey.of(groups, grads, checked=options.check_grads or options.nonfinite != "ignore")
+        checked = options.check_grads or options.nonfinite != "ignore"
+        key = StepKey.of(groups, grads, checked, settings.structural)
         if not all(key.has_grad) and follow_fully_shard(groups, self._names):  # (they get no gradient)
             self._follow_swaps()
             return self._run(rebuilt)

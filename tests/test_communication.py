@@ -9,7 +9,7 @@ import torch
 from dmuon_fsdp import DMuonFSDP
 from dmuon_fsdp._step.buffers import SLOTS
 from dmuon_fsdp._step.flags import FLAG_ELEMENTS
-from dmuon_fsdp._step.stats import PHASES
+from dmuon_fsdp._step.run import PHASES
 from instruments.counters import CollectiveCalls, HostReads
 from tests.support.paired_runs import DIMS, inputs, sharded
 from tests.support.spawn import run_ranks

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon_fsdp import MUON_COEFFICIENTS, POLAR_EXPRESS, DMuonFSDP, param_groups
-from dmuon_fsdp._step.stats import PHASES
+from dmuon_fsdp._step.run import PHASES
 from dmuon_fsdp.newton_schulz import gram_segments, resolve_coefficients, segments_flops, standard_segments
 from tests.support.models import SHAPES, STEPS, VECTORS, ShapesModel, gradients, make_groups, reference_run
 from tests.support.reference import reference_muon_step, relative_error

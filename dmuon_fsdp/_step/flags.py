@@ -35,7 +35,7 @@ from torch import Tensor
 
 from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.state import local_shard
-from dmuon_fsdp.config import HYPER, row_state_keys, structural_options
+from dmuon_fsdp.config import HYPER, row_state_keys
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -74,8 +74,14 @@ class StepKey:
     checked: bool  # whether check flags travel (with a check on)
 
     @classmethod
-    def of(cls, groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], checked: bool) -> StepKey:
-        keys = structural_options()
+    def of(
+        cls,
+        groups: Sequence[dict[str, Any]],
+        grads: Sequence[Tensor | None],
+        checked: bool,
+        keys: Sequence[str],
+    ) -> StepKey:
+        """The key of a step with these ``grads`` (``keys``: ``config.structural_options()``)."""
         options = tuple(tuple(frozen(g[k]) for k in keys) for g in groups if g["use_muon"])
         return cls(tuple(g is not None for g in grads), options, checked)
 

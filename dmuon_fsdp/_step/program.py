@@ -10,8 +10,9 @@ know their own few foreach ops (``Copies``, ``Batch``, ``Updates``, ``Stage``, o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -30,12 +31,17 @@ from dmuon_fsdp._step.flags import (
 )
 from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp._step.state import AdamWKernel, MuonStep, adamw, local_shard, muon_input
-from dmuon_fsdp._step.stats import StepStats
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
 
 if TYPE_CHECKING:
     from dmuon_fsdp.config import Options
     from dmuon_fsdp.variants import RowStep, RowVariant
+
+
+class Phases(Protocol):
+    """What times a program's phases (``run.StepStats``)."""
+
+    def phase(self, name: str) -> AbstractContextManager[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -299,7 +305,7 @@ class StepProgram:
         local: list[Tensor] | None,
         indicator: Tensor | None,
         options: Options,
-        stats: StepStats,
+        stats: Phases,
         redo: bool = False,
         changed: Tensor | None = None,
     ) -> Verdict:
@@ -323,7 +329,7 @@ class StepProgram:
                 summary[REDO_SLOT] = changed.item()
         return decide(summary, expected, options.nonfinite, options.check_grads)
 
-    def decay(self, steps: Sequence[MuonStep | None], stats: StepStats) -> None:
+    def decay(self, steps: Sequence[MuonStep | None], stats: Phases) -> None:
         """Decoupled weight decay of the Muon parameters, after a ``GO`` and before any update."""
         with stats.phase("commit"):
             for lists in self.muon:
@@ -332,7 +338,7 @@ class StepProgram:
                 if step.weight_decay:
                     torch._foreach_mul_(lists.params, step.decay_factor())
 
-    def adamw_step(self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: StepStats) -> None:
+    def adamw_step(self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: Phases) -> None:
         with stats.phase("adamw"):
             for lists in self.adamw:
                 mine = [grads[i] for i in lists.grads]
@@ -346,9 +352,7 @@ class StepProgram:
                     lists.kernel,
                 )
 
-    def commit_momentum(
-        self, grads: list[Tensor], steps: Sequence[MuonStep | None], stats: StepStats
-    ) -> None:
+    def commit_momentum(self, grads: list[Tensor], steps: Sequence[MuonStep | None], stats: Phases) -> None:
         """The momentum buffers, once every bucket's NS inputs were made from them."""
         with stats.phase("commit"):
             for lists in self.muon:

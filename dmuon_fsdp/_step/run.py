@@ -108,7 +108,8 @@ class StepRun:
         hyper = hyper_digest(groups) if program.flags is not None else 0  # every rank's alike?
         made = None if redo else local  # a rank that will ask for a redo makes nothing
         flags = partial(program.write_flags, key, hyper, tensor_options(groups), local, options.nonfinite)
-        indicator, verdict, applied = None, Verdict.GO, 0  # (applied: buckets whose results were)
+        indicator, verdict = None, Verdict.GO
+        applied = 0  # buckets whose results were applied
         for k in range(n):
             while self.launched <= self.ahead(k):
                 with stats.phase("momentum"):

@@ -18,8 +18,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dmuon_fsdp import DMuonFSDP
-from dmuon_fsdp._step.cache import AGREE_UNTIL_STEADY, PROGRAMS_KEPT
 from dmuon_fsdp._step.errors import GradientMismatchError
+from dmuon_fsdp._step.runtime import AGREE_UNTIL_STEADY, PROGRAMS_KEPT
 from instruments.counters import CollectiveCalls
 from tests.support.layout_runs import against_reference, check
 from tests.support.moe import given_loss

@@ -216,7 +216,8 @@ def test_a_step_without_any_gradient_warns_once():
     with pytest.warns(UserWarning, match=r"no parameter has a gradient, so nothing is updated") as warned:
         opt.step()
         opt.step()
-    assert len([w for w in warned if "no parameter has a gradient" in str(w.message)]) == 1
+    said = [w for w in warned if "no parameter has a gradient" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__  # at the caller of step()
     _step(params, opt)  # with gradients: no word
 
 

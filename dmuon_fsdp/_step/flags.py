@@ -145,7 +145,7 @@ def tensor_flags(tensors: Sequence[Tensor], dtype: torch.dtype, device: torch.de
 
 def key_agreement(key_digest: int, group: Any, device: torch.device) -> comm.Handle:
     """Start agreeing on the step key before a step (only while keys alternate, see
-    ``dmuon_fsdp._step.cache.ProgramCache``): one ``all_reduce`` of 16 bytes; ``agreed`` reads it."""
+    ``dmuon_fsdp._step.runtime.ProgramCache``): one ``all_reduce`` of 16 bytes; ``agreed`` reads it."""
     return comm.start_max(torch.tensor([key_digest, -key_digest], dtype=torch.int64, device=device), group)
 
 

@@ -76,6 +76,17 @@ def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
                 held[row_key] = row_state_like(p, group["flatten"])  # (``flatten`` changed)
 
 
+def restore_loaded(groups: Sequence[dict[str, Any]], state: Any) -> None:
+    """After torch's ``load_state_dict``: the state the dict did not hold made afresh
+    (``restore_state``), and each AdamW ``step`` a float32 tensor on its parameter's device,
+    where fused AdamW reads it."""
+    restore_state(groups, state)
+    for group in groups:
+        for p in group["params"]:
+            if "step" in state[p]:
+                state[p]["step"] = state[p]["step"].to(device=p.device, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class MuonStep:
     """A Muon group's per-step options, read once per step (``muon_steps``): ``lr`` a float, or

@@ -1,26 +1,38 @@
-"""The program cache: the plans of the step keys seen lately and their bound programs
-(``ProgramCache``), and which one a step runs: bound, bound anew (``dmuon_fsdp._step.binding``),
-or planned (``dmuon_fsdp._step.planning``).
+"""The optimizer's steps, one after another: what lasts between them and which program each runs.
+
+``ProgramCache`` keeps the plans of the step keys seen lately and their bound programs, and
+says which one a step runs: bound, bound anew (``dmuon_fsdp._step.binding``), or planned first
+(``dmuon_fsdp._step.planning``). ``Runtime`` holds it with the settings steps run with and the
+hooks of steps begun in backward, and runs each step, acting on its verdict in one place
+(``Runtime.step``): go, skip, redo, rebuild, raise. A step: its key (``flags.StepKey``) -> its
+program -> the bucket loop (``run.StepRun``, or ``BackwardStart.run`` from where backward left
+it) -> the verdict every rank shares. ``DMuonFSDP`` around it keeps the ``torch.optim``
+contract (groups, state, state dicts).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import torch
 from torch import Tensor
 
 from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.binding import bind
 from dmuon_fsdp._step.buffers import Pool
 from dmuon_fsdp._step.errors import raise_for
-from dmuon_fsdp._step.flags import StepKey, agreed, key_agreement, stale_layouts
+from dmuon_fsdp._step.flags import StepKey, Verdict, agreed, key_agreement, stale_layouts
 from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp._step.planning import Planned, Trouble, plan_program
 from dmuon_fsdp._step.program import StepProgram
+from dmuon_fsdp._step.run import StepRun, StepStats
 from dmuon_fsdp._step.state import restore_state
-from dmuon_fsdp.config import Settings
+from dmuon_fsdp.backward import BackwardStart, overlap_refusal
+from dmuon_fsdp.config import Options, Settings
 
 
 @dataclass(frozen=True)
@@ -178,3 +190,130 @@ class ProgramCache:
             self._bound[in_use] = program
         self._plans.move_to_end(in_use)
         return Ready(program, bound=True, agreement=agreement)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A step that ran: what this rank did, the verdict every rank shares (``committed``: ``GO``,
+    state was written) and the program it ran."""
+
+    stats: StepStats
+    verdict: Verdict
+    program: StepProgram
+
+    @property
+    def committed(self) -> bool:
+        return self.verdict is Verdict.GO
+
+
+class Runtime:
+    """What an optimizer's steps share: ``settings`` (resolved once per parameters, meshes and
+    option change), ``programs`` (the kept programs) and ``backward`` (the hooks and the step
+    begun in backward). Made anew, not copied, by ``copy.deepcopy`` and unpickling."""
+
+    def __init__(self) -> None:
+        self.programs = ProgramCache()
+        self.backward = BackwardStart()
+        self.settings: Settings | None = None
+        self._no_overlap_reason: str | None = None  # why steps do not begin in backward (said once)
+        self._warned_no_grads = False  # a step without any gradient warns once
+
+    def set_meshes(
+        self,
+        meshes: dict[Any, str],
+        params: list[Tensor],
+        groups: list[dict[str, Any]],
+        names: dict,
+        options: Options,
+    ) -> None:
+        """The parameters or their meshes changed: a new exchange site and no program kept."""
+        self.programs.clear()
+        self.backward.disarm()
+        wanted = options.overlap_backward
+        self._no_overlap_reason = overlap_refusal(groups, names) if wanted else None
+        device = params[0].device if params else torch.device("cpu")
+        site = comm.exchange_site(meshes, params)
+        self.settings = Settings.resolve(options, site, device, wanted and not self._no_overlap_reason)
+
+    def set_options(self, options: Options, device: torch.device | None = None) -> None:
+        """A settable option changed, or the parameters moved to ``device``: the settings anew."""
+        settings = self.ready()
+        device = device or settings.device
+        self.settings = Settings.resolve(options, settings.site, device, settings.in_backward)
+
+    def ready(self) -> Settings:
+        assert self.settings is not None  # set with the first param group (torch wants one)
+        return self.settings
+
+    def step(
+        self, params: list[Tensor], groups: list[dict[str, Any]], state: Any, names: dict, options: Options
+    ) -> Ran:
+        """One step of ``params`` (the parameters of ``groups`` in optimizer order), and what its
+        verdict, the same on every rank, asks for: raise alike, run again from the final
+        gradients (redo), a skip, the new key's program run once more (rebuild), or, after a
+        ``GO``, the hooks armed for the next backward."""
+        if params and params[0].device != self.ready().device:  # moved (model.to, to_empty)
+            self.set_options(options, params[0].device)
+        settings = self.ready()
+        grads = [p.grad for p in params]
+        checked = options.check_grads or options.nonfinite != "ignore"
+        key = StepKey.of(groups, grads, checked, settings.structural)
+        ran = self._run(key, grads, params, groups, state, names, options)
+        if ran.verdict is Verdict.REBUILD:  # every rank's gradients or options changed alike
+            self.programs.follow()
+            ran = self._run(key, grads, params, groups, state, names, options)
+        if ran.verdict is not Verdict.REBUILD and settings.in_backward:
+            if self.programs.repeated:  # the next backward starts this program's buckets
+                self.backward.arm(ran.program, groups, options)
+            else:  # gradient sets that change: steps run after backward, nothing started in vain
+                self.backward.disarm()
+        return ran
+
+    def _run(
+        self,
+        key: StepKey,
+        grads: list[Tensor | None],
+        params: list[Tensor],
+        groups: list[dict[str, Any]],
+        state: Any,
+        names: dict,
+        options: Options,
+    ) -> Ran:
+        """The step of ``key`` with its program, once more from the final gradients if its
+        verdict asks to (``REDO``); raises alike on every rank if it asks to (``RAISE``)."""
+        settings = self.ready()
+        ready = self.programs.get(key, params, groups, state, names, settings)
+        if ready.program is None:  # every rank found trouble while planning
+            self.programs.raise_alike(groups, state, names, settings, shared=ready.shared)
+        program = ready.program
+        local = program.local_grads(grads) if ready.bound and key == program.key else None
+        if settings.in_backward:
+            verdict, stats = self.backward.run(program, local, groups, key, options)
+        else:
+            run = StepRun.of(program, options)
+            verdict, stats = run.run(local, groups, key, options, ready.agreement), run.stats
+        if verdict is Verdict.REDO:  # gradients changed after backward read them: from the final ones
+            run = StepRun.of(program, options)
+            verdict, stats = run.run(local, groups, key, options), run.stats
+            stats.redone = True
+        stats.skipped = verdict is Verdict.SKIP
+        stats.buffer_bytes = self.programs.buffer_bytes
+        stats.settle_times()
+        if verdict is Verdict.RAISE:
+            self.programs.raise_alike(groups, state, names, settings, shared=program.flags is not None)
+        return Ran(stats, verdict, program)
+
+    def say_once(self, params: Sequence[Tensor]) -> None:
+        """After a step: why steps do not begin in backward, and a step without any gradient
+        (warnings at the caller of ``DMuonFSDP.step``)."""
+        if self._no_overlap_reason is not None:
+            warnings.warn(self._no_overlap_reason, stacklevel=6)
+            self._no_overlap_reason = None
+        if params and all(p.grad is None for p in params) and not self._warned_no_grads:
+            self._warned_no_grads = True
+            warnings.warn(
+                "DMuonFSDP.step(): no parameter has a gradient, so nothing is updated (said once): was "
+                "backward run, and are these the model's parameters? (a model whose parameters were "
+                "replaced after the optimizer was built, as by fully_shard or to_empty, trains nothing)",
+                stacklevel=6,
+            )

@@ -71,6 +71,13 @@ def row_variant(group: dict[str, Any]) -> RowVariant | None:
     return VARIANTS[group["variant"]] if group["use_muon"] else None
 
 
+def row_settings(group: dict[str, Any]) -> tuple[RowVariant | None, tuple[Any, ...]]:
+    """A param group's row variant and the settings its math reads from the group's options
+    (None and none for plain Muon and AdamW groups)."""
+    variant = row_variant(group)
+    return variant, variant.settings(group) if variant is not None else ()
+
+
 @dataclass(frozen=True)
 class Options:
     """DMuonFSDP's optimizer-wide options, checked when made (see the README's argument table)."""

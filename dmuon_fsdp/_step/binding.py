@@ -30,15 +30,14 @@ from dmuon_fsdp._step.buffers import (
     Pool,
     Region,
     Wired,
-    as_wire,
     in_shape,
     piece_of,
-    rows_of,
     staging,
     wired,
 )
 from dmuon_fsdp._step.flags import Flags, StepKey, nonfinite_groups
 from dmuon_fsdp._step.planner import Plan
+from dmuon_fsdp._step.planning import NSForm
 from dmuon_fsdp._step.program import (
     AdamWLists,
     Batch,
@@ -46,7 +45,6 @@ from dmuon_fsdp._step.program import (
     Copies,
     Entry,
     MuonLists,
-    NSForm,
     NSInputs,
     Stage,
     StepProgram,
@@ -220,7 +218,8 @@ class _Binder:
         variant = self.forms[t.matrix].variant
         assert variant is not None  # asked of transfers that carry per-row numbers
         param = self.entries[self.entry_of(t.matrix)].param
-        return rows_of(local_shard(self.state[param][variant.state_key]), t.piece)
+        local = local_shard(self.state[param][variant.state_key]).view(-1)
+        return local[t.piece.local_row : t.piece.local_row + t.piece.rows]
 
     def bucket(self, k: int, bucket: BucketSchedule) -> BucketProgram:
         """Bucket ``k``'s views in its slot (see ``dmuon_fsdp._step.buffers``)."""
@@ -308,8 +307,8 @@ class _Binder:
             u.params.append(piece_of(self.locals[self.entry_of(t.matrix)], t.piece))
             u.directions.append(direction)
             if row_factors is not None:
-                assert u.factors is not None  # a group's matrices all have its row variant, or none
-                u.factors.append(row_factors.view(-1, 1))
+                assert u.row_scales is not None  # a group's matrices all have its row variant, or none
+                u.row_scales.append(row_factors.view(-1, 1))
         return tuple(updates.values())
 
     def carry_rows(
@@ -340,28 +339,31 @@ class _Binder:
             return v[t.piece.row : t.piece.row + t.piece.rows], f[t.piece.row : t.piece.row + t.piece.rows]
 
         for slot in to_owners.sent:
-            if slot.per_row is not None:
-                spread.add(slot.per_row, as_wire(self.row_state(slot.transfer), comm_dtype))
+            if slot.numbers is not None:
+                spread.add(as_wire(slot.numbers), as_wire(self.row_state(slot.transfer), comm_dtype))
         for slot in to_owners.received:
-            if slot.per_row is not None:
-                assemble.add(as_wire(owner_rows(slot.transfer)[0], comm_dtype), slot.per_row)
+            if slot.numbers is not None:
+                assemble.add(as_wire(owner_rows(slot.transfer)[0], comm_dtype), as_wire(slot.numbers))
         for t in bucket.own_pieces:
             if t.per_row:
                 assemble.add(owner_rows(t)[0], self.row_state(t))
         for slot in from_owners.sent:
-            if slot.per_row is not None:
+            if slot.numbers is not None:
                 v, f = owner_rows(slot.transfer)
-                collect.add(slot.row_state, as_wire(v, comm_dtype))
-                collect.add(slot.row_factors, as_wire(f, comm_dtype))
+                state, factors_sent = _state_and_factors(slot.numbers)
+                collect.add(state, as_wire(v, comm_dtype))
+                collect.add(factors_sent, as_wire(f, comm_dtype))
         factors: dict[Transfer, Tensor] = {}
-        arriving = [slot for slot in from_owners.received if slot.per_row is not None]
+        arriving = [slot for slot in from_owners.received if slot.numbers is not None]
         flat = back.take(sum(slot.transfer.piece.rows for slot in arriving), torch.float32)
         offset = 0
         for slot in arriving:
             t = slot.transfer
             factors[t] = flat[offset : offset + t.piece.rows]
-            writes.add(as_wire(self.row_state(t), comm_dtype), slot.row_state)
-            writes.add(as_wire(factors[t], comm_dtype), slot.row_factors)
+            assert slot.numbers is not None  # (as filtered)
+            state, factors_received = _state_and_factors(slot.numbers)
+            writes.add(as_wire(self.row_state(t), comm_dtype), state)
+            writes.add(as_wire(factors[t], comm_dtype), factors_received)
             offset += t.piece.rows
         for t in bucket.own_results:
             if t.per_row:
@@ -439,3 +441,21 @@ class _Binder:
 def _kept(transfers: Sequence[Transfer], dtype: torch.dtype, region: Region) -> list[Tensor]:
     """A copy of each own piece, without per-row numbers, in ``dtype`` from ``region``."""
     return [s.piece for s in staging([replace(t, per_row=0) for t in transfers], dtype, region)]
+
+
+def as_wire(numbers: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Per-row numbers (float32, or as a wire of ``dtype`` holds them: by default their own)
+    as that wire carries them exactly: float32 numbers themselves (a copy into a 32- or 64-bit
+    wire converts them, exactly), or on a 16-bit wire their bits, as ``int16``: float32 numbers
+    two elements each, and the wire's own elements (float16 or bfloat16) seen as ``int16`` too,
+    so that every copy between them moves bits. A copy between 16-bit float views need not:
+    CUDA's foreach copy converts each element to float and back, which turns every NaN bit
+    pattern (a float32's lower half spells one now and then) into the canonical NaN."""
+    return numbers.view(torch.int16) if (dtype or numbers.dtype).itemsize == 2 else numbers
+
+
+def _state_and_factors(numbers: Tensor) -> tuple[Tensor, Tensor]:
+    """The numbers returned with a piece, as the wire carries them (``as_wire``): the rows' new
+    state, then their factors."""
+    wire = as_wire(numbers)
+    return wire[: wire.numel() // 2], wire[wire.numel() // 2 :]

@@ -1,6 +1,6 @@
 """The buffers a step's exchanges and Newton-Schulz run in, and each transfer's views in them:
 ``wired`` lays a wire of the schedule (``dmuon_fsdp._step.schedule``) into buffers, per transfer
-its piece (rows x cols) and its per-row numbers (``Slot``); ``Pool`` holds the arenas every view
+its piece (rows x cols) and the numbers that follow it (``Slot``); ``Pool`` holds the arenas every view
 is taken from. No collectives (``dmuon_fsdp._step.comm`` runs them).
 
 [Note: slots] The buffers are a few arenas that every bucket of every kept program takes its
@@ -8,8 +8,8 @@ views from. A step runs its buckets one after another, and at most ``SLOTS`` of 
 buffers at once: bucket k takes its views from slot ``k % SLOTS``. A slot has two arenas, one
 for the bucket's way to its owners (send and receive buffers, the stacks of owned matrices,
 staging and scratch: alive from making its NS inputs to collecting its results) and one for
-its way back (send and receive buffers, a row variant's numbers, own results kept for the update: alive
-from its Newton-Schulz to its update). With two slots, bucket k+1 travels while bucket k's NS
+its way back (send and receive buffers, numbers bound with the results, own results kept for the
+update: alive from its Newton-Schulz to its update). With two slots, bucket k+1 travels while bucket k's NS
 runs, and bucket k+2 takes bucket k's arenas once k is through with them; the bucket loop
 (``dmuon_fsdp._step.run``) orders its work so. One more arena holds the NS workspace, used by one
 batch at a time. So the buffers are a small multiple of the largest bucket (``bucket_bytes``),
@@ -38,35 +38,12 @@ from dmuon_fsdp._step.schedule import Transfer, Wire
 
 @dataclass(frozen=True)
 class Slot:
-    """Where a transfer sits in a buffer: its piece (rows, cols) and its per-row numbers (None
-    when none travel, see ``PerRow``): to the owner, the rows' state; back, the new state
-    (``row_state``) and then the rows' factors (``row_factors``), as the wire holds float32
-    numbers (``as_wire``: on a 16-bit wire, their bits as ``int16``)."""
+    """Where a transfer sits in a buffer: its piece (rows x cols) and the elements that follow it
+    there (``numbers``; None when the transfer has none: ``Transfer.per_row``)."""
 
     transfer: Transfer
     piece: Tensor
-    per_row: Tensor | None
-
-    @property
-    def row_state(self) -> Tensor:
-        assert self.per_row is not None  # asked of slots whose transfer carries per-row numbers
-        return self.per_row[: self.per_row.numel() // 2]
-
-    @property
-    def row_factors(self) -> Tensor:
-        assert self.per_row is not None  # asked of slots whose transfer carries per-row numbers
-        return self.per_row[self.per_row.numel() // 2 :]
-
-
-def as_wire(numbers: Tensor, dtype: torch.dtype) -> Tensor:
-    """Per-row numbers as a wire of ``dtype`` carries them exactly: float32 numbers themselves
-    (a copy into a 32- or 64-bit wire converts them, exactly), or on a 16-bit wire their bits,
-    as ``int16``: float32 numbers two elements each, and the wire's own elements (float16 or
-    bfloat16) seen as ``int16`` too, so that every copy between them moves bits. A copy between
-    16-bit float views need not: CUDA's foreach copy converts each element to float and back,
-    which turns every NaN bit pattern (a float32's lower half spells one now and then) into the
-    canonical NaN."""
-    return numbers.view(torch.int16) if dtype.itemsize == 2 else numbers
+    numbers: Tensor | None
 
 
 @dataclass(frozen=True)
@@ -83,11 +60,6 @@ def piece_of(local: Tensor, piece: Piece) -> Tensor:
     return local.view(-1, piece.cols)[piece.local_row : piece.local_row + piece.rows]
 
 
-def rows_of(local: Tensor, piece: Piece) -> Tensor:
-    """A rank's piece's rows in a tensor of one number per local row (a row variant's state)."""
-    return local.view(-1)[piece.local_row : piece.local_row + piece.rows]
-
-
 def slots(buffer: Tensor, segments: Sequence[Sequence[Transfer]], flag_elements: int) -> list[list[Slot]]:
     """Each transfer's slot in a flat buffer laid out segment after segment, flags first."""
     out: list[list[Slot]] = []
@@ -98,9 +70,8 @@ def slots(buffer: Tensor, segments: Sequence[Sequence[Transfer]], flag_elements:
         for t in segment:
             p = t.piece
             piece = buffer[offset : offset + p.numel].view(p.rows, p.cols)
-            numbers = buffer[offset + p.numel : offset + t.numel]
-            extra = as_wire(numbers, buffer.dtype) if t.per_row else None
-            out[-1].append(Slot(t, piece, extra))
+            numbers = buffer[offset + p.numel : offset + t.numel] if t.per_row else None
+            out[-1].append(Slot(t, piece, numbers))
             offset += t.numel
     if offset != buffer.numel():
         raise RuntimeError(f"exchange buffer of {buffer.numel()} elements, its pieces and flags use {offset}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,11 +18,26 @@ from dmuon_fsdp._step.errors import agree_on_plan
 from dmuon_fsdp._step.flags import FLAG_ELEMENTS, StepKey, stale_layouts
 from dmuon_fsdp._step.layouts import MatrixLayout, describe_params
 from dmuon_fsdp._step.planner import Plan, build_plan
-from dmuon_fsdp._step.program import NSForm
 from dmuon_fsdp._step.schedule import PerRow, RankSchedule, rank_schedule
-from dmuon_fsdp.config import Settings, check_groups, row_variant
-from dmuon_fsdp.newton_schulz import ns_segments, resolve_coefficients, segments_flops
+from dmuon_fsdp.config import Settings, check_groups, row_settings
+from dmuon_fsdp.newton_schulz import Coefficients, ns_segments, resolve_coefficients, segments_flops
 from dmuon_fsdp.routing import group_params, indexed
+
+if TYPE_CHECKING:
+    from dmuon_fsdp.variants import RowVariant
+
+
+@dataclass(frozen=True)
+class NSForm:
+    """How one matrix is orthogonalized: its group's NS settings and the form for its shape;
+    ``variant``: its group's row variant and the ``settings`` it reads (see [Note: row
+    variants] in ``dmuon_fsdp.variants``)."""
+
+    coefficients: tuple[Coefficients, ...]
+    eps: float
+    segments: tuple[int, ...]
+    variant: RowVariant | None = None
+    settings: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,9 +66,7 @@ def _forms(
     for m, group in zip(matrices, groups, strict=True):
         coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         segments = ns_segments(group["ns_algorithm"], coefficients, dtype, m.rows, m.cols)
-        variant = row_variant(group)
-        settings = variant.settings(group) if variant is not None else ()
-        out.append(NSForm(coefficients, float(group["eps"]), segments, variant, settings))
+        out.append(NSForm(coefficients, float(group["eps"]), segments, *row_settings(group)))
     return out
 
 
@@ -106,7 +119,7 @@ def plan_program(
     # A step begun in backward always carries flags: every rank must agree on redoing it.
     flag_elements = FLAG_ELEMENTS if key.checked or settings.in_backward else 0
     rowed = frozenset(j for j, form in enumerate(forms) if form.variant is not None)
-    per_row = PerRow(rowed, width=2 if settings.comm_dtype.itemsize == 2 else 1)  # float32 bits
+    per_row = PerRow.on_wire(rowed, settings.comm_dtype.itemsize)
     # Steps begun in backward start the buckets before the carrier from hooks, as many as the
     # slots hold with one to spare for the carrier (see dmuon_fsdp._step.run, the bucket loop).
     carrier = min(SLOTS - 1, len(plan.buckets) - 1) if settings.in_backward else 0

@@ -35,7 +35,12 @@ from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
 
 if TYPE_CHECKING:
     from dmuon_fsdp.config import Options
-    from dmuon_fsdp.variants import RowStep, RowVariant
+
+
+class Runnable(Protocol):
+    """Work bound to a program's buffers, run as it is (a row variant's step after NS)."""
+
+    def run(self) -> None: ...
 
 
 class Phases(Protocol):
@@ -71,19 +76,6 @@ class Copies:
 
 
 @dataclass(frozen=True)
-class NSForm:
-    """How one matrix is orthogonalized: its group's NS settings and the form for its shape;
-    ``variant``: its group's row variant and the ``settings`` it reads (see [Note: row
-    variants] in ``dmuon_fsdp.variants``)."""
-
-    coefficients: tuple[Coefficients, ...]
-    eps: float
-    segments: tuple[int, ...]
-    variant: RowVariant | None = None
-    settings: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
 class Batch:
     """Matrices of one shape and NS settings (coefficients, eps, form), stacked (B, s, l) and
     orthogonalized in place."""
@@ -101,14 +93,14 @@ class Batch:
 @dataclass(frozen=True)
 class Updates:
     """``params -= lr * scale * directions`` on views of local shards, with param group
-    ``group``'s lr of the step (``MuonStep``); ``directions`` are views of orthogonalized results, scaled row
-    by row by ``factors`` (views shaped (rows, 1)) in groups with a row variant."""
+    ``group``'s lr of the step (``MuonStep``); ``directions`` are views of orthogonalized
+    results, each row scaled by its number in ``row_scales`` (views shaped (rows, 1)) when given."""
 
     group: int
     scale: float
     params: list[Tensor]
     directions: list[Tensor]
-    factors: list[Tensor] | None = None
+    row_scales: list[Tensor] | None = None
 
     def apply(self, steps: Sequence[MuonStep | None]) -> None:
         step = steps[self.group]
@@ -117,23 +109,22 @@ class Updates:
         if isinstance(alpha, Tensor):  # a tensor lr, on the device: scaled there, never read
             scales = (
                 [alpha] * len(self.params)
-                if self.factors is None
-                else torch._foreach_mul(self.factors, alpha)
+                if self.row_scales is None
+                else torch._foreach_mul(self.row_scales, alpha)
             )
             torch._foreach_addcmul_(self.params, self.directions, scales)
-        elif self.factors is None:
+        elif self.row_scales is None:
             torch._foreach_add_(self.params, self.directions, alpha=alpha)
         else:
-            torch._foreach_addcmul_(self.params, self.directions, self.factors, value=alpha)
+            torch._foreach_addcmul_(self.params, self.directions, self.row_scales, value=alpha)
 
 
 @dataclass(frozen=True)
 class BucketProgram:
     """One bucket bound to its slot's buffers (see ``dmuon_fsdp._step.buffers``), in the order a step
     runs it: ``stage`` makes its NS inputs, ``to_owners`` carries them, ``assemble`` stacks what
-    arrived, ``batches`` orthogonalize (and ``row_steps`` run the row variants), ``collect``
-    fills the way back, ``from_owners`` returns the results, ``updates`` and ``writes`` apply
-    them."""
+    arrived, ``batches`` orthogonalize (then ``after_ns`` runs), ``collect`` fills the way
+    back, ``from_owners`` returns the results, ``updates`` and ``writes`` apply them."""
 
     reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
     needs: tuple[int, ...]  # those of every parameter with a matrix in it, on any rank
@@ -141,11 +132,11 @@ class BucketProgram:
     to_owners: comm.Exchange | None
     assemble: Copies  # received pieces (and own ones, when staged) into the stacks
     batches: tuple[Batch, ...]
-    row_steps: tuple[RowStep, ...]  # row variants on the owned matrices of their groups, after NS
+    after_ns: tuple[Runnable, ...]  # work on the owned matrices after their NS (a row variant's)
     collect: Copies  # results into the return buffer (and own ones into the way back's arena)
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
-    writes: Copies  # a row variant's new row state into the holders' state, row factors out
+    writes: Copies  # numbers returned with the results into place (after the verdict)
 
 
 @dataclass(frozen=True)
@@ -167,7 +158,7 @@ class NSInputs:
 class Stage:
     """A bucket's NS inputs: written straight where they travel (a parameter whose shard is one
     piece sent whole), or made whole in scratch copies that ``spread`` copies into place (with
-    a row variant's state of the rows that travel)."""
+    the numbers that travel with the pieces)."""
 
     inputs: tuple[NSInputs, ...]
     spread: Copies

@@ -158,8 +158,8 @@ class StepRun:
                 for batch in bucket.batches:
                     batch.orthogonalize()
                     stats.ns_matrices += batch.stack.shape[0]
-                for row_step in bucket.row_steps:
-                    row_step.run()
+                for work in bucket.after_ns:
+                    work.run()
         with stats.phase("return"):
             if not discarded:
                 bucket.collect.run()
@@ -174,7 +174,7 @@ class StepRun:
             with stats.phase("wait"):
                 comm.wait(self.from_owners.pop(k))
             with stats.phase("apply"):
-                bucket.writes.run()  # new row state into the state, the row factors out
+                bucket.writes.run()
                 for u in bucket.updates:
                     u.apply(steps)
         return max(applied, last + 1)

@@ -36,6 +36,11 @@ class PerRow:
     matrices: frozenset[int] = frozenset()
     width: int = 1
 
+    @classmethod
+    def on_wire(cls, matrices: frozenset[int], itemsize: int) -> PerRow:
+        """The numbers of ``matrices`` on a wire of ``itemsize``-byte elements (float32 bits)."""
+        return cls(matrices, width=2 if itemsize == 2 else 1)
+
     def to_owner(self, j: int, piece: Piece) -> int:
         return self.width if j in self.matrices and piece.col == 0 else 0
 

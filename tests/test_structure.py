@@ -1,6 +1,7 @@
 """The package keeps the shape docs/design.md ("Modules") describes: a steady step runs code in
-few modules, no module imports another that imports it back (type-only imports included), and no
-function runs past a screenful."""
+few modules, the first one plans, binds and runs, each from the record the one before made, no
+call goes back up the imports, no module imports another that imports it back (type-only
+imports included), and no function runs past a screenful."""
 
 from __future__ import annotations
 
@@ -37,18 +38,57 @@ def modules_run(fn) -> set[str]:
     return {m for m in seen if m.startswith("dmuon_fsdp.")}
 
 
-def test_a_steady_step_runs_code_in_at_most_eight_modules():
+def steps(fn, variant: str = "muon", count: int = 3) -> list:
+    """``fn(opt.step)`` for each of ``count`` steps of a small model."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 12), nn.Linear(12, 8), nn.Linear(8, 16))
-    opt = DMuonFSDP(param_groups(model))
-    runs = []
-    for _ in range(3):
+    opt = DMuonFSDP(param_groups(model), variant=variant)
+    out = []
+    for _ in range(count):
         opt.zero_grad()
         model(torch.randint(0, 16, (4, 5))).square().mean().backward()
-        runs.append(modules_run(opt.step))
+        out.append(fn(opt.step))
+    return out
+
+
+def test_a_steady_step_runs_code_in_at_most_eight_modules():
+    runs = steps(modules_run)
     first, steady = runs[0], runs[2]
     assert steady == runs[1] and steady < first, (first, steady)  # planning and binding ran once
     assert {"dmuon_fsdp.optimizer", "dmuon_fsdp.newton_schulz"} <= steady and len(steady) <= 8, sorted(steady)
+
+
+def test_the_first_step_plans_then_binds_then_runs_each_from_the_last_ones_record():
+    from dmuon_fsdp._step.binding import bind
+    from dmuon_fsdp._step.planning import plan_program
+    from dmuon_fsdp._step.run import StepRun
+
+    phases = {plan_program.__code__: "plan", bind.__code__: "bind", StepRun.run.__code__: "run"}
+
+    def traced(step):
+        seen = []  # (phase, what it was given, what it returned)
+
+        def profile(frame, event, arg):
+            phase = phases.get(frame.f_code)
+            if phase is not None and event == "call":
+                given = {"plan": None, "bind": frame.f_locals.get("planned")}
+                given["run"] = frame.f_locals["self"].program if phase == "run" else None
+                seen.append([phase, given[phase], None])
+            elif phase is not None and event == "return":
+                next(s for s in reversed(seen) if s[0] == phase)[2] = arg
+
+        sys.setprofile(profile)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+        return seen
+
+    first, steady = steps(traced, count=2)
+    assert [phase for phase, _, _ in first] == ["plan", "bind", "run"], first
+    (_, _, planned), (_, given, program), (_, ran, _) = first
+    assert given is planned and ran is program  # each phase works from the record of the one before
+    assert [phase for phase, _, _ in steady] == ["run"] and steady[0][1] is program
 
 
 def imports(path: pathlib.Path) -> set[str]:
@@ -85,3 +125,40 @@ def test_no_function_is_longer_than_sixty_lines():
                 if lines > 60:
                     long.append(f"{name}.{node.name}: {lines} lines")
     assert not long, long
+
+
+def test_no_call_goes_back_up_the_imports():
+    """In a first and a steady step, with Muon and with NorMuon, every call from one package
+    module into another is into a module the caller imports (directly or through others), so
+    no phase calls back into what drives it. By design, one callback: a row variant takes its
+    buffers from the ``take`` the binder hands it."""
+    graph = {name: imports(path) for name, path in MODULES.items()}
+
+    def below(name: str) -> set[str]:
+        seen, todo = set(), [name]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    reach = {name: below(name) for name in graph}
+
+    def calls_up(step) -> set[tuple[str, str]]:
+        up = set()
+
+        def profile(frame, event, arg):
+            if event == "call" and frame.f_back is not None:
+                caller, callee = frame.f_back.f_globals.get("__name__"), frame.f_globals.get("__name__")
+                if caller in graph and callee in graph and caller != callee and callee not in reach[caller]:
+                    up.add((caller, f"{callee}.{frame.f_code.co_qualname}"))
+
+        sys.setprofile(profile)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+        return up
+
+    found = set().union(*steps(calls_up, count=2), *steps(calls_up, "normuon", count=2))
+    assert found == {("dmuon_fsdp.normuon", "dmuon_fsdp._step.buffers.Region.take")}, found

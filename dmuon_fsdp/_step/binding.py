@@ -37,7 +37,7 @@ from dmuon_fsdp._step.buffers import (
 )
 from dmuon_fsdp._step.flags import Flags, StepKey, nonfinite_groups
 from dmuon_fsdp._step.planner import Plan
-from dmuon_fsdp._step.planning import NSForm
+from dmuon_fsdp._step.planning import NSForm, Planned
 from dmuon_fsdp._step.program import (
     AdamWLists,
     Batch,
@@ -54,27 +54,23 @@ from dmuon_fsdp._step.schedule import BucketSchedule, RankSchedule, Transfer
 from dmuon_fsdp._step.state import adamw_kernel, adjusted_lr, lerp_math_dtype, local_shard
 from dmuon_fsdp.config import Settings
 from dmuon_fsdp.newton_schulz import Workspace
-from dmuon_fsdp.routing import indexed
 from dmuon_fsdp.variants import RowBatch, RowStep, RowVariant
 
 
 def bind(
-    plan: Plan,
-    forms: Sequence[NSForm],
-    schedule: RankSchedule,
+    planned: Planned,
     key: StepKey,
+    params: list[Tensor],
     groups: list[dict[str, Any]],
     state: Any,
     settings: Settings,
     pool: Pool,
 ) -> StepProgram:
-    """Make every view a step of ``plan`` needs on this rank, into ``pool`` (grown first when it
-    is too small; ``forms``: each matrix's NS form, as ``plan_program`` worked it out)."""
-    entries = [
-        Entry(i, g, p)
-        for i, ((g, p), has) in enumerate(zip(indexed(groups), key.has_grad, strict=True))
-        if has
-    ]
+    """Make every view a step of ``planned`` (as ``plan_program`` made it for ``key``) needs on
+    this rank, into ``pool`` (grown first when it is too small); ``params``: the parameters of
+    ``groups`` in optimizer order."""
+    plan, forms, schedule = planned.plan, planned.forms, planned.schedule
+    entries = [Entry(i, g, params[i]) for i, g in planned.entries]
     binder = _Binder(plan, forms, schedule, entries, groups, state, settings, pool)
     if not pool.fits(binder.needed):  # measured only: bind again into arenas of the sizes asked
         needed = binder.needed
@@ -403,7 +399,7 @@ class _Binder:
                     [buffers[i] for i, _ in chosen],
                     [d for _, d in chosen],
                     all(d.dtype == buffers[i].dtype for i, d in chosen),
-                    lerp_math_dtype(buffers[i].dtype for i, _ in chosen),
+                    lerp_math_dtype([buffers[i].dtype for i, _ in chosen]),
                 )
                 for chosen in (straight, through)
                 if chosen

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_fsdp._step import comm
-from dmuon_fsdp._step.flags import frozen, hyper_labels, hyper_numbers, stale_layouts
-from dmuon_fsdp._step.state import local_shard
+from dmuon_fsdp._step.flags import frozen, hyper_labels, hyper_numbers
+from dmuon_fsdp._step.state import local_shard, stale_layouts
 from dmuon_fsdp.config import Settings, structural_options
 from dmuon_fsdp.routing import group_params
 

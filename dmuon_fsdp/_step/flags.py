@@ -34,8 +34,7 @@ import torch
 from torch import Tensor
 
 from dmuon_fsdp._step import comm
-from dmuon_fsdp._step.state import local_shard
-from dmuon_fsdp.config import HYPER, row_state_keys
+from dmuon_fsdp.config import HYPER
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -247,16 +246,3 @@ class Flags:
             self.digest, self.values = digest, values
         assert self.values is not None  # made for the first digest: digests are never -1 (crc32s)
         return self.values
-
-
-def stale_layouts(params: Sequence[Tensor], state: Any) -> set[Tensor]:
-    """Parameters whose local shard no longer matches their state (resharded or resized); a row
-    variant's state matches the local shard's leading (row) dims."""
-
-    row_keys = row_state_keys()
-
-    def matches(key: str, value: Tensor, local: Tensor) -> bool:
-        shape = local_shard(value).shape
-        return key == "step" or shape == (local.shape[: len(shape)] if key in row_keys else local.shape)
-
-    return {p for p in params if not all(matches(k, v, local_shard(p)) for k, v in state[p].items())}

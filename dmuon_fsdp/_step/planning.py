@@ -15,13 +15,14 @@ import torch
 
 from dmuon_fsdp._step.buffers import SLOTS
 from dmuon_fsdp._step.errors import agree_on_plan
-from dmuon_fsdp._step.flags import FLAG_ELEMENTS, StepKey, stale_layouts
+from dmuon_fsdp._step.flags import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp._step.layouts import MatrixLayout, describe_params
 from dmuon_fsdp._step.planner import Plan, build_plan
 from dmuon_fsdp._step.schedule import PerRow, RankSchedule, rank_schedule
+from dmuon_fsdp._step.state import stale_layouts
 from dmuon_fsdp.config import Settings, check_groups, row_settings
 from dmuon_fsdp.newton_schulz import Coefficients, ns_segments, resolve_coefficients, segments_flops
-from dmuon_fsdp.routing import group_params, indexed
+from dmuon_fsdp.routing import indexed
 
 if TYPE_CHECKING:
     from dmuon_fsdp.variants import RowVariant
@@ -56,6 +57,7 @@ class Planned:
     plan: Plan
     forms: tuple[NSForm, ...]
     schedule: RankSchedule
+    entries: tuple[tuple[int, int], ...]  # (position, param group) of each parameter with a gradient
 
 
 def _forms(
@@ -76,12 +78,9 @@ def plan_program(
     """A new plan for ``key`` and this rank's schedule; with a check on, one ``all_reduce``
     tells every rank of any rank's trouble and (with ``check_grads``) that all built the same
     plan."""
-    muon = [
-        (g, p)
-        for (g, p), has in zip(indexed(groups), key.has_grad, strict=True)
-        if has and groups[g]["use_muon"]
-    ]
-    described = [(p, names[p], groups[g]) for g, p in muon]
+    every = indexed(groups)
+    entries = tuple((i, g) for i, ((g, _), has) in enumerate(zip(every, key.has_grad, strict=True)) if has)
+    described = [(every[i][1], names[every[i][1]], groups[g]) for i, g in entries if groups[g]["use_muon"]]
     layouts, param_of = describe_params(described, settings.site.ranks)
     forms = _forms(layouts, [described[i][2] for i in param_of], settings.ns_dtype)
     costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms, strict=True)]
@@ -94,7 +93,7 @@ def plan_program(
         settings.comm_dtype.itemsize,
         param_of,
     )
-    trouble = bool(stale_layouts(group_params(groups), state))
+    trouble = bool(stale_layouts([p for _, p in every], state))
     group = site.process_group if key.checked else None
     shared = group is not None
     if group is not None:
@@ -124,4 +123,4 @@ def plan_program(
     # slots hold with one to spare for the carrier (see dmuon_fsdp._step.run, the bucket loop).
     carrier = min(SLOTS - 1, len(plan.buckets) - 1) if settings.in_backward else 0
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, flag_elements, max(carrier, 0), per_row)
-    return Planned(plan, tuple(forms), schedule)
+    return Planned(plan, tuple(forms), schedule, entries)

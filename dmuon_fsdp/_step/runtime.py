@@ -25,12 +25,12 @@ from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.binding import bind
 from dmuon_fsdp._step.buffers import Pool
 from dmuon_fsdp._step.errors import raise_for
-from dmuon_fsdp._step.flags import StepKey, Verdict, agreed, key_agreement, stale_layouts
+from dmuon_fsdp._step.flags import StepKey, Verdict, agreed, key_agreement
 from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp._step.planning import Planned, Trouble, plan_program
 from dmuon_fsdp._step.program import StepProgram
 from dmuon_fsdp._step.run import StepRun, StepStats
-from dmuon_fsdp._step.state import restore_state
+from dmuon_fsdp._step.state import restore_state, stale_layouts
 from dmuon_fsdp.backward import BackwardStart, overlap_refusal
 from dmuon_fsdp.config import Options, Settings
 
@@ -180,11 +180,8 @@ class ProgramCache:
                 if isinstance(made, Trouble):
                     return Ready(None, bound=False, shared=made.shared)
                 self._plans[in_use] = made
-            planned = self._plans[in_use]
             # (a pool that grows lets every kept program go first: they bind anew when used)
-            program = bind(
-                planned.plan, planned.forms, planned.schedule, in_use, groups, state, settings, self._pool
-            )
+            program = bind(self._plans[in_use], in_use, params, groups, state, settings, self._pool)
             if stale_layouts(params, state):  # every rank hears of it at the verdict
                 return Ready(program, bound=False, agreement=agreement)  # (not kept: bound to old state)
             self._bound[in_use] = program

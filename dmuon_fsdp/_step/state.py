@@ -87,6 +87,19 @@ def restore_loaded(groups: Sequence[dict[str, Any]], state: Any) -> None:
                 state[p]["step"] = state[p]["step"].to(device=p.device, dtype=torch.float32)
 
 
+def stale_layouts(params: Sequence[Tensor], state: Any) -> set[Tensor]:
+    """Parameters whose local shard no longer matches their state (resharded or resized); a row
+    variant's state matches the local shard's leading (row) dims."""
+
+    row_keys = row_state_keys()
+
+    def matches(key: str, value: Tensor, local: Tensor) -> bool:
+        shape = local_shard(value).shape
+        return key == "step" or shape == (local.shape[: len(shape)] if key in row_keys else local.shape)
+
+    return {p for p in params if not all(matches(k, v, local_shard(p)) for k, v in state[p].items())}
+
+
 @dataclass(frozen=True)
 class MuonStep:
     """A Muon group's per-step options, read once per step (``muon_steps``): ``lr`` a float, or

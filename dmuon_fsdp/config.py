@@ -85,6 +85,7 @@ class Options:
     ns_dtype: torch.dtype | None = None
     comm_dtype: torch.dtype | None = None
     bucket_bytes: int = 128 * 2**20
+    ns_flops_per_byte: float = 1e4
     overlap: bool = True
     time_phases: bool = False
     nonfinite: str = "raise"
@@ -104,6 +105,13 @@ class Options:
             or self.bucket_bytes < 1
         ):
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
+        rate = self.ns_flops_per_byte
+        if (
+            isinstance(rate, bool)
+            or not isinstance(rate, int | float)
+            or not (math.isfinite(rate) and rate >= 0)
+        ):
+            raise ValueError(f"ns_flops_per_byte must be a finite number >= 0, got {rate!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
         for name in ("overlap", "time_phases", "check_grads", "overlap_backward"):
@@ -169,6 +177,7 @@ class Settings:
     ns_dtype: torch.dtype
     comm_dtype: torch.dtype
     bucket_bytes: int
+    ns_flops_per_byte: float  # the planner's link-to-flops ratio (``planner.ramp``)
     check_grads: bool
     nonfinite: str
     in_backward: bool  # steps start in backward (``dmuon_fsdp.backward``): its plan, groups, carrier
@@ -188,6 +197,7 @@ class Settings:
             ns_dtype,
             comm_dtype,
             options.bucket_bytes,
+            float(options.ns_flops_per_byte),
             *checks,
             in_backward,
             structural_options(),

@@ -56,20 +56,19 @@ class DMuonFSDP(Optimizer):
         adamw_weight_decay (float, optional): their decoupled weight decay (default: 0.0)
         bucket_bytes (int, optional): the most bytes one rank holds of its owned matrices, or sends
             or receives in one exchange, per bucket (default: 134217728)
+        ns_flops_per_byte (float, optional): NS flops a rank runs while its link moves a byte; the
+            planner shapes buckets into a pipeline by it (0: by ``bucket_bytes`` alone) (default: 10000.0)
         overlap (bool, optional): launch bucket k+1's exchange before bucket k's NS (default: True)
         time_phases (bool, optional): time each phase into ``last_step_stats`` (default: False)
         nonfinite (str, optional): inf or NaN in any rank's gradient: ``"raise"``
             (``NonFiniteGradientError``), ``"skip"`` the step, or ``"ignore"`` (default: "raise")
         check_grads (bool, optional): check each step that every rank steps the same parameters
             with the same options (``GradientMismatchError`` instead of a hang) (default: True)
-        overlap_backward (bool, optional): start the first bucket's exchange from FSDP2's
-            gradient hooks during backward (``dmuon_fsdp.backward``) (default: False)
-        flatten (bool, optional): a >2-D weight is one ``(dim0, -1)`` matrix; False: a stack of
-            ``dim0`` matrices (MoE experts) (default: True)
+        overlap_backward (bool, optional): start the first bucket in FSDP2's gradient hooks (default: False)
+        flatten (bool, optional): a >2-D weight is one matrix; False: ``dim0`` matrices (default: True)
         split_sizes (list of int, optional): orthogonalize these row blocks on their own (default: None)
         num_heads (int, optional): orthogonalize ``num_heads`` equal row blocks apart (default: None)
-        route (nn.Module, optional): route and name flat groups' parameters as
-            ``param_groups(model)`` would (default: None)
+        route (nn.Module, optional): route and name flat groups as ``param_groups(model)`` (default: None)
         variant (str, optional): ``"muon"``, or ``"normuon"`` (rows normalized) (default: "muon")
         normuon_beta2 (float, optional): NorMuon's second-moment decay (default: 0.95)
         normuon_eps (float, optional): added to the second moment's square root (default: 1e-08)
@@ -78,6 +77,7 @@ class DMuonFSDP(Optimizer):
     ns_dtype = Option(settable=False)
     comm_dtype = Option(settable=False)
     bucket_bytes = Option(settable=False)
+    ns_flops_per_byte = Option(settable=False)
     overlap_backward = Option(settable=False)
     overlap = Option()
     time_phases = Option()
@@ -104,6 +104,7 @@ class DMuonFSDP(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
         bucket_bytes: int = 128 * 2**20,
+        ns_flops_per_byte: float = 1e4,
         overlap: bool = True,
         time_phases: bool = False,
         nonfinite: str = "raise",

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dmuon_fsdp._step.layouts import MatrixLayout, Piece
-from dmuon_fsdp._step.planner import assign_owners, bucket_shares, build_plan
+from dmuon_fsdp._step.pipeline import Load, step_flops
+from dmuon_fsdp._step.planner import RECEIVED, RETURNED, SENT, TAKEN, assign_owners, bucket_shares, build_plan
 from instruments.plans import (
     assignment_lower_bound,
     chunk_row_counts,
@@ -113,8 +114,9 @@ def test_among_equal_costs_the_last_layers_come_first():
 
 
 def _plan_signature(world_size):
-    plan = plan_for(layouts(LLAMA_SHAPES["gpt2-124m"], world_size), world_size, 2**24, 2)
-    return [list(plan.owners), [list(b.matrices) for b in plan.buckets]]
+    matrices = layouts(LLAMA_SHAPES["gpt2-124m"], world_size)
+    plans = [build_plan(matrices, costs(matrices), world_size, 2**24, 2, flops_per_byte=r) for r in (0, 1e4)]
+    return [[list(plan.owners), [list(b.matrices) for b in plan.buckets]] for plan in plans]
 
 
 def test_plans_identical_across_simulated_ranks():
@@ -247,3 +249,68 @@ def test_replicated_experts_are_owned_where_they_live():
         assert plan.senders[e] == {owner}
     assert len(set(plan.owners)) == 4
     assert sum(plan.elements_moved(r) for r in range(world)) == 4 * rows * cols
+
+
+# The bucket pipeline: the planner's cost model and the ramp it shapes buckets into.
+
+
+def test_the_pipeline_model_overlaps_a_bucket_exchange_with_the_ns_before_it():
+    one = Load(to_owners=10, back=10, ns={0: 100, 1: 100})
+    assert step_flops([one], 1.0) == 10 + 100 + 10  # alone: nothing to overlap
+    small, large = Load(2, 2, {0: 50, 1: 50}), Load(10, 10, {0: 100, 1: 100})
+    # to 0 and to 1 back to back; NS 0 hides to 1; back 0 rides under NS 1; back 1 is exposed
+    assert step_flops([small, large], 1.0) == 2 + 50 + 100 + 10
+    # a link too slow to hide bucket 1's exchange behind NS 0: NS 1 waits for it on the link,
+    # after to 0 (back 0 rides under NS 1)
+    assert step_flops([small, large], 10.0) == 20 + 100 + 100 + 100
+
+
+def predicted(plan, flops_per_byte, element_size=2):
+    """The planner's own prediction of ``plan``'s step (``pipeline.step_flops``), from the shares."""
+    loads = []
+    for bucket in plan.buckets:
+        totals, ns = shares(plan, bucket), {}
+        for j in bucket.matrices:
+            ns[plan.owners[j]] = ns.get(plan.owners[j], 0) + plan.costs[j]
+        busiest = {w: max((n for (which, _), n in totals.items() if which == w), default=0) for w in range(5)}
+        loads.append(Load(max(busiest[SENT], busiest[TAKEN]), max(busiest[RETURNED], busiest[RECEIVED]), ns))
+    return step_flops(loads, flops_per_byte * element_size), loads
+
+
+@pytest.mark.parametrize("model", ["llama-1b", "llama3-8b", "llama3-70b"])
+@pytest.mark.parametrize("world_size", [3, 8, 16, 64, 1024])
+def test_the_ramp_keeps_the_bounds_and_is_never_predicted_slower(model, world_size):
+    matrices = layouts(LLAMA_SHAPES[model], world_size)
+    plain = plan_for(matrices, world_size, 128 * 2**20, 2)
+    ramped = build_plan(matrices, costs(matrices), world_size, 128 * 2**20, 2, flops_per_byte=1e4)
+    assert ramped.owners == plain.owners  # owners stay LPT over all matrices
+    in_buckets = sorted(j for b in ramped.buckets for j in b.matrices)
+    assert in_buckets == list(range(len(matrices)))
+    for k, bucket in enumerate(ramped.buckets):
+        allowance = max(64 * 2**20, max(ramped.matrices[j].numel for j in bucket.matrices))
+        over = {key: n for key, n in shares(ramped, bucket).items() if n > allowance}
+        assert not over, f"bucket {k}: shares over {allowance} elements: {over}"
+    assert predicted(ramped, 1e4)[0] <= predicted(plain, 1e4)[0]
+
+
+def test_the_ramp_shortens_the_first_exchange_and_the_last_return():
+    """Eight Llama-3-8B layers at W=8, at 10^4 NS flops per link byte: the plain cut's first
+    bucket is an MLP matrix per owner, its last the attention matrices. The ramp starts and ends
+    with a square matrix per owner, whose exchange is a quarter of an MLP matrix's and whose NS
+    hides the next bucket's; the link's time left exposed falls to a tenth of its busy time."""
+    shapes = LLAMA_SHAPES["llama3-8b"][: 8 * 7]
+    matrices = layouts(shapes, 8)
+    plain = plan_for(matrices, 8, 128 * 2**20, 2)
+    ramped = build_plan(matrices, costs(matrices), 8, 128 * 2**20, 2, flops_per_byte=1e4)
+    mlp = {(14336, 4096), (4096, 14336)}
+    assert {(plain.matrices[j].rows, plain.matrices[j].cols) for j in plain.buckets[0].matrices} <= mlp
+    first, last = ramped.buckets[0].matrices, ramped.buckets[-1].matrices
+    assert {(ramped.matrices[j].rows, ramped.matrices[j].cols) for j in first + last} == {(4096, 4096)}
+    assert sorted(ramped.owners[j] for j in first) == list(range(8)) == sorted(ramped.owners[j] for j in last)
+    # q and o of the last four layers: their gradients land first in backward
+    assert sorted(j // 7 for j in first) == [4, 4, 5, 5, 6, 6, 7, 7]
+    (plain_step, plain_loads), (step, loads) = predicted(plain, 1e4), predicted(ramped, 1e4)
+    assert loads[0].to_owners * 3 < plain_loads[0].to_owners and loads[-1].back * 2 < plain_loads[-1].back
+    floor = max(rank_loads(ramped))
+    busy = sum(b.to_owners + b.back for b in loads) * 2 * 1e4
+    assert (step - floor) <= 0.1 * busy < (plain_step - floor)

@@ -113,8 +113,8 @@ def _explain_plans(
     differing = [j for j in range(len(digests)) if len({row[j] for row in table}) > 1]
     if not differing:
         raise ValueError(
-            f"{head} from the same Muon matrices: ns_dtype, comm_dtype, bucket_bytes or overlap_backward "
-            f"differ; {ADVICE}"
+            f"{head} from the same Muon matrices: ns_dtype, comm_dtype, bucket_bytes, ns_flops_per_byte or "
+            f"overlap_backward differ; {ADVICE}"
         )
     j = differing[0]
     labels = _text(identities[j][0], group, device)

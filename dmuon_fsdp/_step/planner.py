@@ -1,8 +1,10 @@
 """The exchange plan: who orthogonalizes which matrix, and in which bucket.
 
 Pure Python: no collectives and no tensors. Every rank derives the identical plan from the same
-matrix layouts (see ``layouts``) and Newton-Schulz costs (flops of the form each matrix runs, see
-``newton_schulz.segments_flops``), so no rank has to ask another.
+matrix layouts (see ``layouts``), Newton-Schulz costs (flops of the form each matrix runs, see
+``newton_schulz.segments_flops``) and options, so no rank has to ask another. Owners balance the
+NS flops (``assign_owners``); buckets bound what a rank holds or moves (``Cutter``) and are
+shaped by the bucket pipeline's cost model (``ramp``, ``dmuon_fsdp._step.pipeline``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from dmuon_fsdp._step.layouts import MatrixLayout
+from dmuon_fsdp._step.pipeline import Load, step_flops
 
 
 @dataclass(frozen=True)
@@ -115,19 +118,22 @@ def build_plan(
     bucket_bytes: int,
     element_size: int,
     param_of: Sequence[int] | None = None,
+    flops_per_byte: float = 0.0,
 ) -> Plan:
     """Assign owners by NS cost (``costs[j]``, matrix j's flops) over all matrices and cut them
     into buckets in which no rank holds or moves more than ``bucket_bytes`` (in elements of
-    ``element_size`` bytes; ``cut_buckets``).
+    ``element_size`` bytes; ``Cutter.cut``), shaped into a pipeline that ramps (``ramp``) when
+    ``flops_per_byte`` (the NS flops a rank runs in the time its link moves one byte) is given.
 
     A matrix that some ranks hold whole (a 1-row matrix, an expert of an expert-sharded stack,
     also when replicated) is owned by one of them: nothing is sent to its owner. Buckets follow
     the assignment order (largest first, and among equal costs the later matrix first): each next
     matrix goes to the least-loaded rank, so a bucket holds about ``bucket_bytes`` of matrices
     per owner, on every owner, and its NS work is about the same on each; while one bucket's NS
-    runs, the next bucket's exchange is in flight. Among the matrices of one shape (a model's
-    layers), the last layers' come first: their gradients land first in backward, so that the
-    first bucket can start there (``overlap_backward``).
+    runs, the next bucket's exchange is in flight. The ramp may take a first and a last bucket
+    out of that order. Among the matrices of one shape (a model's layers), the last layers' come
+    first: their gradients land first in backward, so that the first bucket can start there
+    (``overlap_backward``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -146,62 +152,199 @@ def build_plan(
     allowed = [m.full_holders if 0 < len(m.full_holders) < world_size else None for m in matrices]
     owners, order = assign_owners(costs, world_size, allowed)
     param_of = tuple(param_of) if param_of is not None else tuple(range(len(matrices)))
-    buckets = cut_buckets(matrices, owners, order, max(1, bucket_bytes // element_size))
+    limit = max(1, bucket_bytes // element_size)
+    shares = [bucket_shares(m, o) for m, o in zip(matrices, owners, strict=True)]
+    cutter = Cutter(shares, costs, owners, limit, world_size)
+    if flops_per_byte > 0 and len(matrices) > 1:
+        buckets = ramp(matrices, costs, order, cutter, flops_per_byte * element_size)
+    else:
+        buckets = cutter.cut(order).buckets
     return Plan(tuple(matrices), tuple(costs), tuple(owners), buckets, world_size, param_of)
 
 
 def bucket_shares(m: MatrixLayout, owner: int) -> list[tuple[int, int, int]]:
     """What matrix ``m``, owned by ``owner``, adds to the ranks' shares of a bucket, as (one of
     ``SHARES``, rank, elements): the whole matrix in its owner's stack, each sender's piece in
-    the exchange to the owner, and every other holder's piece in the exchange back (sent by the
-    owner, received by the holder)."""
-    mine, returned = m.replica(owner), 0
+    the exchange to the owner (sent by it, taken by the owner), and every other holder's piece
+    in the exchange back (sent by the owner, received by the holder)."""
+    replicas = m.replicas or (0,) * len(m.pieces)
+    mine, returned, taken = replicas[owner], 0, 0
     out = [(HELD, owner, m.numel)]
     for r, piece in enumerate(m.pieces):
-        if r != owner and piece.numel:
-            if m.replica(r) == mine:
-                out.append((SENT, r, piece.numel))
-            out.append((RECEIVED, r, piece.numel))
-            returned += piece.numel
+        n = piece.rows * piece.cols  # (``numel``, inline: the planner's hottest loop at scale)
+        if r != owner and n:
+            if replicas[r] == mine:
+                out.append((SENT, r, n))
+                taken += n
+            out.append((RECEIVED, r, n))
+            returned += n
+    if taken:
+        out.append((TAKEN, owner, taken))
     if returned:
         out.append((RETURNED, owner, returned))
     return out
 
 
-HELD, SENT, RETURNED, RECEIVED = range(4)
+HELD, SENT, TAKEN, RETURNED, RECEIVED = range(5)
 
 
-SHARES = ("held", "sent to owners", "sent back", "received back")  # what a rank holds or moves
+SHARES = ("held", "sent to owners", "taken by owners", "sent back", "received back")  # a rank's, per bucket
+
+Shares = Sequence[Sequence[tuple[int, int, int]]]  # ``bucket_shares`` of every matrix
 
 
-def cut_buckets(
-    matrices: Sequence[MatrixLayout], owners: Sequence[int], order: Sequence[int], limit: int
-) -> tuple[Bucket, ...]:
-    """Cut ``order`` into consecutive buckets in which no rank holds whole matrices of more than
-    ``limit`` elements (its stacks; what it receives is part of them), nor sends or receives more
-    than ``limit`` in either exchange; a bucket holding a matrix larger than ``limit`` allows that
-    matrix's size instead (so that such matrices still spread over the owners: one each). A
-    matrix joins the current bucket unless it would take some rank's share, not empty yet, past
-    the bucket's allowance; then the bucket closes and the matrix starts the next one."""
-    world = len(matrices[0].pieces) if matrices else 0
-    shares = [[0] * world for _ in SHARES]
-    buckets: list[Bucket] = []
-    current: list[int] = []
-    touched: list[tuple[int, int, int]] = []
-    allowance = limit
-    for j in order:
-        added = bucket_shares(matrices[j], owners[j])
-        grown = max(allowance, matrices[j].numel)
-        if current and any(shares[w][r] and shares[w][r] + n > grown for w, r, n in added):
+@dataclass(frozen=True)
+class Cut:
+    """Buckets cut from a sequence of matrices, each with its ``pipeline.Load``."""
+
+    buckets: tuple[Bucket, ...]
+    loads: tuple[Load, ...]
+
+    def __add__(self, other: Cut) -> Cut:
+        return Cut(self.buckets + other.buckets, self.loads + other.loads)
+
+
+class Cutter:
+    """Cuts sequences of a plan's matrices into buckets (``cut``), given every matrix's shares
+    (``bucket_shares``), NS cost and owner, over ``world_size`` ranks, with at most ``limit``
+    elements in any rank's share of a bucket."""
+
+    def __init__(
+        self, shares: Shares, costs: Sequence[int], owners: Sequence[int], limit: int, world_size: int
+    ) -> None:
+        self.costs, self.owners, self.limit, self.world_size = costs, owners, limit, world_size
+        # Per matrix: its owner's shares (held, taken, returned: kinds of one rank each) and the
+        # pieces other ranks send and receive back, with the largest of each.
+        self.at_owner: list[list[int]] = []
+        self.spread: list[tuple[list[tuple[int, int]], list[tuple[int, int]], int, int]] = []
+        for added in shares:
+            at_owner = [0] * len(SHARES)
+            sent, received = [], []
+            for w, r, n in added:
+                if w == SENT:
+                    sent.append((r, n))
+                elif w == RECEIVED:
+                    received.append((r, n))
+                else:
+                    at_owner[w] += n
+            largest = (max((n for _, n in sent), default=0), max((n for _, n in received), default=0))
+            self.at_owner.append(at_owner)
+            self.spread.append((sent, received, *largest))
+
+    def cut(self, order: Sequence[int]) -> Cut:
+        """Cut ``order`` into consecutive buckets in which no rank holds whole matrices of more
+        than ``limit`` elements (its stacks; what it takes is part of them), nor sends or receives
+        more than ``limit`` in either exchange; a bucket holding a matrix larger than ``limit``
+        allows that matrix's size instead (so that such matrices still spread over the owners:
+        one each). A matrix joins the current bucket unless it would take some rank's share, not
+        empty yet, past the bucket's allowance; then the bucket closes and the matrix starts the
+        next one."""
+        world, owner_kinds = self.world_size, (HELD, TAKEN, RETURNED)
+        buckets: list[Bucket] = []
+        loads: list[Load] = []
+        current: list[int] = []
+        totals: list[list[int]] = []
+        peaks: list[int] = []  # the largest of each kind's totals in the current bucket
+        ns: dict[int, int] = {}
+
+        def over(
+            total: list[int], pieces: list[tuple[int, int]], largest: int, peak: int, bound: int
+        ) -> bool:
+            return peak + largest > bound and any(total[r] and total[r] + n > bound for r, n in pieces)
+
+        allowance = self.limit
+        for j in order:
+            owner, at_owner = self.owners[j], self.at_owner[j]
+            sent, received, largest_sent, largest_received = self.spread[j]
+            grown = max(allowance, at_owner[HELD])  # (a matrix's own share is its size)
+            if not current or (
+                any(totals[w][owner] and totals[w][owner] + at_owner[w] > grown for w in owner_kinds)
+                or over(totals[SENT], sent, largest_sent, peaks[SENT], grown)
+                or over(totals[RECEIVED], received, largest_received, peaks[RECEIVED], grown)
+            ):
+                if current:
+                    buckets.append(Bucket(tuple(current)))
+                    loads.append(_load(peaks, ns))
+                current, ns = [], {}
+                totals, peaks = [[0] * world for _ in SHARES], [0] * len(SHARES)
+                grown = max(self.limit, at_owner[HELD])
+            current.append(j)
+            allowance = grown
+            ns[owner] = ns.get(owner, 0) + self.costs[j]
+            for w in owner_kinds:
+                totals[w][owner] += at_owner[w]
+                peaks[w] = max(peaks[w], totals[w][owner])
+            for w, pieces in ((SENT, sent), (RECEIVED, received)):
+                total, peak = totals[w], peaks[w]
+                for r, n in pieces:
+                    total[r] += n
+                    if total[r] > peak:
+                        peak = total[r]
+                peaks[w] = peak
+        if current:
             buckets.append(Bucket(tuple(current)))
-            for w, r, _ in touched:
-                shares[w][r] = 0
-            current, touched, grown = [], [], max(limit, matrices[j].numel)
-        current.append(j)
-        touched += added
-        allowance = grown
-        for w, r, n in added:
-            shares[w][r] += n
-    if current:
-        buckets.append(Bucket(tuple(current)))
-    return tuple(buckets)
+            loads.append(_load(peaks, ns))
+        return Cut(tuple(buckets), tuple(loads))
+
+
+def _load(peaks: Sequence[int], ns: dict[int, int]) -> Load:
+    """A bucket's ``pipeline.Load`` from the peaks of its shares and its owners' NS flops."""
+    return Load(max(peaks[SENT], peaks[TAKEN]), max(peaks[RETURNED], peaks[RECEIVED]), ns)
+
+
+def ramp(
+    matrices: Sequence[MatrixLayout],
+    costs: Sequence[int],
+    order: Sequence[int],
+    cutter: Cutter,
+    flops_per_element: float,
+) -> tuple[Bucket, ...]:
+    """The cut of ``order`` whose step the pipeline's cost model (``pipeline.step_flops``)
+    predicts fastest, among: the plain cut, and the same with a first bucket, then also a last
+    one, of one matrix of a shape per owner that has one (the first bucket's exchange and the
+    last one's return are all the pipeline leaves exposed: with a shape whose own exchange is
+    short and whose NS hides its neighbour's, both shrink). Each shape is tried in turn, the
+    first bucket's before the last one's; ties keep the earlier cut (fewer buckets). Arithmetic
+    on the plan's own numbers: every rank picks the same cut."""
+    owners = cutter.owners
+
+    def one_per_owner(sequence: Sequence[int], shape: tuple[int, int, int]) -> Cut:
+        """The first matrix of ``shape`` of each owner in ``sequence``, within the bucket bound
+        (none when ``sequence`` holds no matrix of ``shape``)."""
+        picked, seen = [], set()
+        for j in sequence:
+            if (matrices[j].rows, matrices[j].cols, costs[j]) == shape and owners[j] not in seen:
+                seen.add(owners[j])
+                picked.append(j)
+        first = cutter.cut(picked)
+        return Cut(first.buckets[:1], first.loads[:1])
+
+    def with_ends(first: Cut, last: Cut) -> Cut:
+        chosen = {j for b in first.buckets + last.buckets for j in b.matrices}
+        return first + cutter.cut([j for j in order if j not in chosen]) + last
+
+    def cost(cut: Cut) -> float:
+        return step_flops(cut.loads, flops_per_element)
+
+    shapes = list(dict.fromkeys((matrices[j].rows, matrices[j].cols, costs[j]) for j in order))
+    none = Cut((), ())
+    plain = best = cutter.cut(order)
+    best_cost, first = cost(best), none
+    # (an end bucket whose exchange is no shorter than every plain bucket's cannot shorten it)
+    longest_to, longest_back = max(b.to_owners for b in plain.loads), max(b.back for b in plain.loads)
+    for shape in shapes:
+        picked = one_per_owner(order, shape)
+        if picked.loads and picked.loads[0].to_owners < longest_to:
+            candidate = with_ends(picked, none)
+            if (c := cost(candidate)) < best_cost:
+                best, best_cost, first = candidate, c, picked
+    taken = {j for b in first.buckets for j in b.matrices}
+    rest = [j for j in reversed(order) if j not in taken]
+    for shape in shapes:
+        last = one_per_owner(rest, shape)
+        if last.loads and last.loads[0].back < longest_back:
+            ordered = tuple(Bucket(tuple(j for j in order if j in set(b.matrices))) for b in last.buckets)
+            candidate = with_ends(first, Cut(ordered, last.loads))
+            if (c := cost(candidate)) < best_cost:
+                best, best_cost = candidate, c
+    return best.buckets

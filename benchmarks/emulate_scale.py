@@ -22,21 +22,32 @@ real matrices), which on GPUs would run on W hosts beside the device, must stay 
 the emulated times (at 400 TFLOP/s undilated, host work alone took 133 ms of a 8-bucket step at
 W=8 whose NS floor is 104 ms).
 
-``bucket_bytes`` is scaled alike (/ S^2), so buckets hold what they would at full size. Reported
-per world size, medians over ``--steps`` timed steps after warm-up, contenders in turns:
+``bucket_bytes`` is scaled alike (/ S^2), so buckets hold what they would at full size, and
+``ns_flops_per_byte`` is the emulated hardware's (``--tflops`` over ``--link-gbs``). Reported per
+world size, medians over ``--steps`` timed steps after warm-up, contenders in turns:
 
-- the default step (128 MiB buckets) and the step with every matrix in one bucket, over the NS
-  floor (total NS flops / W / rate, each matrix in the form it runs) and against each other;
+- the default step (128 MiB buckets, the planner's ramp), the same cut by ``bucket_bytes``
+  alone (``ns_flops_per_byte=0``, "plain cut") and the step with every matrix in one bucket,
+  over the NS floor (total NS flops / W / rate, each matrix in the form it runs) and against
+  each other;
+- with ``--fast-link F``, the default and one-bucket steps again on a link F times faster: the
+  link's time left exposed is the default step minus the same on the fast link, its busy time
+  the sum of every exchange's time on the link (per step); the default over one bucket on the
+  fast link is what the buckets cost in host work;
 - ``StepStats.buffer_bytes`` of rank 0 for the model and one ``--deeper`` times deeper;
-- with ``--before REV``, the same for the package as it was at git revision REV (its
-  ``dmuon_fsdp`` exported to a temporary folder and imported from there by the ranks).
+- with ``--before REV``, the default and one-bucket steps of the package as it was at git
+  revision REV (its ``dmuon_fsdp`` exported to a temporary folder and imported from there).
 
-    python -m benchmarks.emulate_scale --before 552dc0a      # W = 8 and 16, ~6 minutes on 2 cores
+    python -m benchmarks.emulate_scale --before 552dc0a      # W = 8 and 16, ~10 minutes on 2 cores
+    python -m benchmarks.emulate_scale --world-sizes 8 --layers 8 --scale 64 --tflops 50 \
+        --link-gbs 5 --dilation 1 --fast-link 1e6             # the issue-42 setting, host work in
+    python -m benchmarks.emulate_scale --world-sizes 16 --layers 2    # fewer matrices than ranks
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import socket
@@ -45,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -135,12 +147,16 @@ class PacedLink:
         work = self.real(output, input, output_split_sizes, input_split_sizes, **kw)
         return _PacedWork(work, self, n)
 
+    def duration(self, n: int) -> float:
+        """How long exchange ``n`` holds the link (every rank has launched it)."""
+        return float(self.table[n, :, 0].max()) / self.bandwidth
+
     def end(self, n: int) -> float:
         """When exchange ``n`` leaves the link (every exchange before it is complete in the table)."""
         while len(self.ends) <= n:
             k = len(self.ends)
             ready = max(self.ends[-1] if self.ends else 0.0, float(self.table[k, :, 1].max()))
-            self.ends.append(ready + float(self.table[k, :, 0].max()) / self.bandwidth)
+            self.ends.append(ready + self.duration(k))
         return self.ends[n]
 
 
@@ -175,9 +191,21 @@ def set_grads(params, step: int) -> None:
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
-def rank_main(
-    rank: int, world: int, port: int, package: str | None, bucket: int, args, table, out: str
-) -> None:
+@dataclass(frozen=True)
+class Contender:
+    """One run's settings: the package (None: this checkout), ``bucket_bytes`` at full size, the
+    ramp (False: ``ns_flops_per_byte=0``; one bucket is every matrix in one) and the link's
+    speed-up."""
+
+    name: str
+    package: str | None
+    bucket: int
+    ramp: bool = True
+    link_factor: float = 1.0
+
+
+def rank_main(rank: int, world: int, port: int, contender: Contender, args, table, out: str) -> None:
+    package, bucket = contender.package, contender.bucket
     if package is not None:
         sys.path.insert(0, package)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -190,37 +218,44 @@ def rank_main(
 
     mesh = init_device_mesh("cpu", (world,))
     device = EmulatedDevice(args.tflops * 1e12 / args.dilation, args.scale)
-    link = PacedLink(table, rank, args.scale, args.link_gbs * 1e9 / args.dilation, device)
+    bandwidth = args.link_gbs * 1e9 * contender.link_factor / args.dilation
+    link = PacedLink(table, rank, args.scale, bandwidth, device)
     dist.all_to_all_single = link.all_to_all_single  # the package calls it through the module
     result: dict = {"package": str(Path(dmuon_fsdp.__file__).parent)}
     scaled = max(1, bucket // args.scale**2)
     options = dict(lr=0.02, ns_dtype=torch.bfloat16, comm_dtype=torch.bfloat16, bucket_bytes=scaled)
+    if "ns_flops_per_byte" in inspect.signature(DMuonFSDP).parameters:  # (not in older packages)
+        options["ns_flops_per_byte"] = args.tflops * 1e12 / (args.link_gbs * 1e9) if contender.ramp else 0.0
     params = make_params(args.layers, args.scale, mesh)
     opt = DMuonFSDP(params, **options)
-    starts, ends = [], []
+    starts, ends, exchanges = [], [], []
     for step in range(args.warmup + args.steps):
         set_grads(params, step)
         dist.barrier()
         device.busy_until, device.flops = 0.0, 0
+        first = link.launched
         start = time.monotonic()
         with device:
             opt.step()
         device.synchronize()  # the step is done when the device is
         starts.append(start)
         ends.append(time.monotonic())
+        exchanges.append(range(first, link.launched))
     times = torch.tensor([starts, ends], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     total_flops = torch.tensor([float(device.flops)], dtype=torch.float64)
     dist.all_reduce(total_flops)  # one step's NS flops of every rank: the job's
     steps = ((times[1] - times[0])[args.warmup :] / args.dilation).tolist()
+    busy = [sum(link.duration(n) for n in ran) / args.dilation for ran in exchanges[args.warmup :]]
     result.update(
         step_s=statistics.median(steps),
         steps_s=steps,
+        link_busy_s=statistics.median(busy),
         floor_s=float(total_flops) / world / (args.tflops * 1e12),
         buckets=len(opt.plan.buckets),
         buffer_bytes=opt.last_step_stats.buffer_bytes,
     )
-    if bucket == DEFAULT_BUCKET:  # memory of a model --deeper times deeper at the same setting
+    if contender.name.endswith("default") and contender.link_factor == 1:  # memory of a deeper model
         deeper = make_params(args.layers * args.deeper, args.scale, mesh)
         deep_opt = DMuonFSDP(deeper, **options)
         set_grads(deeper, 0)
@@ -239,10 +274,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, package: str | None, bucket: int, args) -> dict:
+def run(world: int, contender: Contender, args) -> dict:
     table = torch.zeros(MAX_EXCHANGES, world, 2, dtype=torch.float64).share_memory_()
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.spawn(rank_main, args=(world, free_port(), package, bucket, args, table, out.name), nprocs=world)
+        mp.spawn(rank_main, args=(world, free_port(), contender, args, table, out.name), nprocs=world)
         return json.loads(Path(out.name).read_text())
 
 
@@ -275,51 +310,122 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="turns of every contender")
     parser.add_argument("--before", help="git revision of the package to compare with")
+    parser.add_argument(
+        "--fast-link", type=float, default=0.0, help="F: also run on a link F times faster (e.g. 1e6)"
+    )
     parser.add_argument("--out", default="runs/bench/emulate_scale.json")
     args = parser.parse_args()
     if any(n % args.scale for n in LLAMA3_8B):
         parser.error(f"--scale {args.scale} does not divide the Llama-3-8B dimensions {LLAMA3_8B}")
-    packages = {"after": None}
-    if args.before:
-        packages = {"before": export(args.before), **packages}
-    contenders = [(name, bucket) for name in packages for bucket in (DEFAULT_BUCKET, ONE_BUCKET)]
+    contenders = contenders_of(args)
     results: dict = {}
     for world in args.world_sizes:
         runs: dict = {c: [] for c in contenders}
         for _ in range(args.rounds):
-            for name, bucket in contenders:
-                runs[name, bucket].append(run(world, packages[name], bucket, args))
-        for (name, bucket), rs in runs.items():
-            results[f"W={world} {name} {'default' if bucket == DEFAULT_BUCKET else 'one bucket'}"] = {
+            for c in contenders:
+                runs[c].append(run(world, c, args))
+        for c, rs in runs.items():
+            results[f"W={world} {c.name}"] = {
                 **rs[0],
                 "step_s": statistics.median(r["step_s"] for r in rs),
                 "rounds_s": [r["step_s"] for r in rs],
             }
+    print_table(results, args)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(f"\nJSON: {path}")
+
+
+def contenders_of(args) -> list[Contender]:
+    """This checkout's default step, plain cut and one bucket (and both on the fast link), and the
+    default and one-bucket steps of ``--before``."""
+    out = []
+    if args.before:
+        before = export(args.before)
+        out += [
+            Contender("before default", before, DEFAULT_BUCKET),
+            Contender("before one", before, ONE_BUCKET, ramp=False),
+        ]
+    out += [
+        Contender("default", None, DEFAULT_BUCKET),
+        Contender("plain cut", None, DEFAULT_BUCKET, ramp=False),
+        Contender("one", None, ONE_BUCKET, ramp=False),
+    ]
+    if args.fast_link:
+        out += [
+            Contender("default fast", None, DEFAULT_BUCKET, link_factor=args.fast_link),
+            Contender("one fast", None, ONE_BUCKET, ramp=False, link_factor=args.fast_link),
+        ]
+    return out
+
+
+def print_table(results: dict, args) -> None:
     print(
         f"## Emulated GPUs: Llama-3-8B-shaped layers / {args.scale} ({args.layers} layers), "
         "bf16 NS and wire, "
         f"{args.tflops:g} TFLOP/s, {args.link_gbs:g} GB/s shared link; medians of {args.steps} steps x "
         f"{args.rounds} rounds (device and link run {args.dilation:g}x slower, times divided back)\n"
     )
-    print(
-        "| W | package | buckets (default) | default step ms | one bucket ms | NS floor ms | default / floor "
-        "| default / one bucket | buffer KiB (rank 0, real size) "
-        f"| {args.deeper}x deeper KiB | deeper / model |"
+    fast = (
+        ["exposed link ms", "link busy ms", "exposed / busy", "fast link: default / one"]
+        if args.fast_link
+        else []
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    columns = [
+        "W",
+        "package",
+        "buckets (default)",
+        "default step ms",
+        "plain cut ms",
+        "one bucket ms",
+        "NS floor ms",
+        "default / floor",
+        "default / one bucket",
+        *fast,
+        "buffer KiB (rank 0, real size)",
+        f"{args.deeper}x deeper KiB",
+        "deeper / model",
+    ]
+    print("| " + " | ".join(columns) + " |")
+    print("|---:|---|" + "---:|" * (len(columns) - 2))
     for world in args.world_sizes:
-        for name in packages:
-            d, one = results[f"W={world} {name} default"], results[f"W={world} {name} one bucket"]
-            kib, deep = d["buffer_bytes"] / 2**10, d["deeper_buffer_bytes"] / 2**10
-            print(
-                f"| {world} | {name} | {d['buckets']} | {d['step_s'] * 1e3:.1f} | {one['step_s'] * 1e3:.1f} "
-                f"| {d['floor_s'] * 1e3:.1f} | {d['step_s'] / d['floor_s']:.2f}x "
-                f"| {d['step_s'] / one['step_s']:.2f}x | {kib:.0f} | {deep:.0f} | {deep / kib:.2f}x |"
-            )
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    print(f"\nJSON: {path}")
+        for prefix in ("before ", "") if args.before else ("",):
+            d, one = results[f"W={world} {prefix}default"], results[f"W={world} {prefix}one"]
+            plain = results.get(f"W={world} {prefix}plain cut")
+            cells = [
+                world,
+                "before" if prefix else "after",
+                d["buckets"],
+                f"{d['step_s'] * 1e3:.1f}",
+                f"{plain['step_s'] * 1e3:.1f}" if plain else "-",
+                f"{one['step_s'] * 1e3:.1f}",
+                f"{d['floor_s'] * 1e3:.1f}",
+                f"{d['step_s'] / d['floor_s']:.2f}x",
+                f"{d['step_s'] / one['step_s']:.2f}x",
+            ]
+            if args.fast_link:
+                df, of = (
+                    results.get(f"W={world} {prefix}default fast"),
+                    results.get(f"W={world} {prefix}one fast"),
+                )
+                exposed = d["step_s"] - df["step_s"] if df else None
+                cells += (
+                    [
+                        f"{exposed * 1e3:.1f}",
+                        f"{d['link_busy_s'] * 1e3:.1f}",
+                        f"{exposed / d['link_busy_s']:.2f}",
+                        f"{df['step_s'] / of['step_s']:.2f}x",
+                    ]
+                    if df and of
+                    else ["-"] * 4
+                )
+            if "deeper_buffer_bytes" in d:
+                kib, deep = d["buffer_bytes"] / 2**10, d["deeper_buffer_bytes"] / 2**10
+                cells += [f"{kib:.0f}", f"{deep:.0f}", f"{deep / kib:.2f}x"]
+            else:
+                cells += ["-"] * 3
+            print("| " + " | ".join(map(str, cells)) + " |")
 
 
 if __name__ == "__main__":

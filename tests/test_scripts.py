@@ -278,18 +278,21 @@ def test_paper_e2e_spreads_buckets_and_the_overlap_never_costs_more(tmp_path):
         assert plain["exposed_ms"] < 1.2 * (row["busiest_ns_ms"] + row["elementwise_ms"]) + 10
 
 
-def test_emulate_scale_reports_the_step_against_the_floor_and_one_bucket(tmp_path):
+def test_emulate_scale_reports_the_step_against_the_floor_one_bucket_and_a_fast_link(tmp_path):
     out = tmp_path / "emulate.json"
     _run(
         "emulate_scale",
         *("--world-sizes", "2", "--layers", "2", "--deeper", "2", "--steps", "1", "--warmup", "1"),
-        *("--rounds", "1", "--dilation", "1", "--out", out),
+        *("--rounds", "1", "--dilation", "1", "--fast-link", "1e6", "--out", out),
     )
     results = json.loads(out.read_text())["results"]
-    default, one = results["W=2 after default"], results["W=2 after one bucket"]
+    default, one, plain = results["W=2 default"], results["W=2 one"], results["W=2 plain cut"]
+    fast = results["W=2 default fast"]
     assert default["floor_s"] > 0 and default["step_s"] >= default["floor_s"] * 0.99
-    assert one["buckets"] == 1 and default["buckets"] >= 1
+    assert one["buckets"] == 1 and default["buckets"] >= 1 and plain["buckets"] >= 1
     assert default["buffer_bytes"] > 0 and default["deeper_buffer_bytes"] > 0
+    # the link's busy time scales with its speed; the fast link leaves the NS floor and host work
+    assert default["link_busy_s"] > 1e5 * fast["link_busy_s"] > 0 and fast["step_s"] >= fast["floor_s"] * 0.99
 
 
 def test_paper_moe_plans_every_expert_matrix_on_its_own(tmp_path):

@@ -13,7 +13,8 @@ from benchmarks.paper.e2e import e2e_report
 from benchmarks.paper.moe import moe_report
 from benchmarks.paper.shapes import MODELS, MOE_MODELS
 from benchmarks.paper.step import balance_report, hsdp_report, step_report
-from dmuon_fsdp.config import NS_ALGORITHMS
+from dmuon_fsdp._step.buffers import SLOTS
+from dmuon_fsdp.config import NS_ALGORITHMS, Options
 
 REPORTS = {
     "step": step_report,
@@ -51,6 +52,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DMuonFSDP's ns_algorithm, one predicted step per entry (e2e, moe: the first)",
     )
     parser.add_argument("--bucket-mib", type=int, default=128)
+    parser.add_argument(
+        "--ns-flops-per-byte",
+        type=float,
+        default=Options().ns_flops_per_byte,
+        help="DMuonFSDP's ns_flops_per_byte, which shapes its buckets (default: as shipped; 0: plain cut)",
+    )
+    parser.add_argument(
+        "--backward-buckets",
+        type=int,
+        default=SLOTS - 1,
+        help="e2e: buckets whose exchange to the owners overlap_backward starts in backward (default: as "
+        "shipped; each more takes one more bucket's buffers)",
+    )
     parser.add_argument(
         "--world-sizes",
         type=int,

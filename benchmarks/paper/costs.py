@@ -55,11 +55,18 @@ def ns_costs(shapes: list[Shape], algorithm: str = "standard", ns_steps: int = 5
 
 
 def plan_for(
-    shapes: list[Shape], world: int, bucket_bytes: int, algorithm: str = "standard", ns_steps: int = 5
+    shapes: list[Shape],
+    world: int,
+    bucket_bytes: int,
+    algorithm: str = "standard",
+    ns_steps: int = 5,
+    flops_per_byte: float = 0.0,
 ) -> Plan:
-    """The planner's plan for ``shapes`` row-sharded over ``world`` ranks, bf16 on the wire."""
+    """The planner's plan for ``shapes`` row-sharded over ``world`` ranks, bf16 on the wire (its
+    buckets shaped at ``flops_per_byte``, DMuonFSDP's ``ns_flops_per_byte``; 0: the plain cut)."""
+    costs = ns_costs(shapes, algorithm, ns_steps)
     return build_plan(
-        row_sharded(shapes, world), ns_costs(shapes, algorithm, ns_steps), world, bucket_bytes, WIRE_BYTES
+        row_sharded(shapes, world), costs, world, bucket_bytes, WIRE_BYTES, None, flops_per_byte
     )
 
 

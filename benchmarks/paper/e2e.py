@@ -146,7 +146,7 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
     backward, forward = sum(layer_seconds), sum(layer_seconds) / 2
     elementwise = elementwise_seconds(params, world, args)
     algorithm = args.ns_algorithms[0]
-    plan = plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps)
+    plan = plan_for(shapes, world, args.bucket_mib * 2**20, algorithm, args.ns_steps, args.ns_flops_per_byte)
     optimizer, loads, _ = dmuon_step(plan, world, elementwise, args)
     busiest_ns = max(loads) / ns_rate(args)
     exchange, ns = bucket_costs(plan, args)
@@ -167,7 +167,7 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
         "dmuon_over_adamw": (optimizer - elementwise) / adamw,
     }
     layer_done = [sum(layer_seconds[layer:]) for layer in range(layers)]  # backward: last layer first
-    carrier = min(1, len(plan.buckets) - 1)  # the buckets before it start in backward
+    carrier = min(args.backward_buckets, len(plan.buckets) - 1)  # the buckets before it start in backward
     started = [layer_done[min(j // per_layer for j in b.matrices)] for b in plan.buckets[:carrier]]
     for name, timeline in (
         ("plain_pipelined", step_timeline(backward, exchange, ns)),
@@ -175,8 +175,10 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
     ):
         last_return, path = timeline
         step_end = last_return + elementwise
+        exchange_path = sum(seconds for kind, seconds in path.items() if kind != "NS")
         row[name] = {
             "exposed_ms": (step_end - backward) * 1e3,
+            "exposed_exchange_share": exchange_path / (step_end - backward),
             "path_ms": {kind: seconds * 1e3 for kind, seconds in path.items()},
             "step_ms": (forward + step_end) * 1e3,
             "over_adamw": (forward + step_end) / adamw - 1,
@@ -193,7 +195,8 @@ def e2e_report(args: argparse.Namespace) -> dict:
         f"## Predicted training step (forward + backward + optimizer), {args.gpu}: {args.tflops:g} TFLOP/s, "
         f"MFU {args.mfu:g}, NS at {args.ns_efficiency:g} of peak ({args.ns_algorithms[0]}), "
         f"{args.tokens_per_rank} tokens per rank, {args.link_gbs:g} GB/s link, {args.hbm_gbs:g} GB/s HBM, "
-        f"{args.bucket_mib} MiB buckets\n"
+        f"{args.bucket_mib} MiB buckets shaped at {args.ns_flops_per_byte:g} NS flops per link byte, "
+        f"{args.backward_buckets} bucket(s) started in backward with overlap_backward\n"
     )
     header = [
         "model",
@@ -214,6 +217,7 @@ def e2e_report(args: argparse.Namespace) -> dict:
         "path: to-owners at step ms",
         "path: returns ms",
         "path: bwd to-owners spill ms",
+        "exchange share of exposed",
         "busiest rank NS ms",
         "first bucket's exchange ms",
     ]
@@ -237,6 +241,7 @@ def e2e_report(args: argparse.Namespace) -> dict:
                 f"{overlap['exposed_ms']:.1f}",
                 f"{r['elementwise_ms']:.1f}",
                 *(f"{path[kind]:.1f}" for kind in ("NS", "to-owners at step", "returns", "spill")),
+                f"{overlap['exposed_exchange_share']:.0%}",
                 f"{r['busiest_ns_ms']:.1f}",
                 f"{r['first_bucket_exchange_ms']:.1f}",
             ]

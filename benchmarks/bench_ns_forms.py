@@ -59,8 +59,8 @@ def ns_seconds(
 ) -> dict[str, float]:
     """Best time of ``orthogonalize_`` on a copy of ``stack`` (the copy is not timed) per form,
     the forms taking turns so that the machine's drift hits them alike."""
-    works = {name: Workspace.for_stack(stack, segments) for name, segments in forms.items()}
     x = torch.empty_like(stack)
+    works = {name: Workspace.for_stack(x, segments) for name, segments in forms.items()}
     best = dict.fromkeys(forms, float("inf"))
     for i in range(repeats + 1):  # the first round warms up
         for name, segments in forms.items():

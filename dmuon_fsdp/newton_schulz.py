@@ -186,12 +186,15 @@ def ns_segments(
 
 @dataclass(frozen=True)
 class Workspace:
-    """Scratch for ``orthogonalize_`` on a (B, s, l) stack: the other iterate ``y`` and s x s
-    matrices (two for the standard form, four with Gram segments). Several stacks may share one
-    (views of the same buffers) when they never run at the same time."""
+    """Scratch for ``orthogonalize_`` on one (B, s, l) stack: the other iterate ``y`` and s x s
+    matrices (two for the standard form, four with Gram segments), and the transposed views of
+    the stack and of ``y`` (made once: a view is an op each time it is made). Several stacks'
+    workspaces may share buffers (views of the same ones) when they never run at the same time."""
 
     y: Tensor
     squares: tuple[Tensor, ...]
+    stack_t: Tensor
+    y_t: Tensor
 
     @staticmethod
     def squares_needed(segments: Sequence[int]) -> int:
@@ -213,7 +216,8 @@ class Workspace:
         if flat is None:
             flat = stack.new_empty(y_size), stack.new_empty(squares_size)
         squares = flat[1][:squares_size].view(cls.squares_needed(segments), b, s, s)
-        return cls(flat[0][:y_size].view(b, s, l), tuple(squares))
+        y = flat[0][:y_size].view(b, s, l)
+        return cls(y, tuple(squares), stack.mT, y.mT)
 
 
 def orthogonalize_(
@@ -229,8 +233,14 @@ def orthogonalize_(
     """
     if sum(segments) != len(coefficients) or min(segments) < 1:
         raise ValueError(f"segments {tuple(segments)} do not split {len(coefficients)} iterations")
+    if work.stack_t.data_ptr() != x.data_ptr() or work.stack_t.shape != (
+        *x.shape[:-2],
+        x.shape[-1],
+        x.shape[-2],
+    ):
+        raise ValueError("the workspace was made for another stack (Workspace.for_stack)")
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps)
-    here, there = (x, x.mT), (work.y, work.y.mT)  # transposed views made once: one op each
+    here, there = (x, work.stack_t), (work.y, work.y_t)
     if len(segments) % 2:
         torch.div(x, norm, out=work.y)
         here, there = there, here

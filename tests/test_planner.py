@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dmuon_fsdp._step.layouts import MatrixLayout, Piece
-from dmuon_fsdp._step.pipeline import Load, step_flops
+from dmuon_fsdp._step.pipeline import BUCKET_HOST_FLOPS, Load, cut_flops, step_flops
 from dmuon_fsdp._step.planner import RECEIVED, RETURNED, SENT, TAKEN, assign_owners, bucket_shares, build_plan
 from instruments.plans import (
     assignment_lower_bound,
@@ -290,7 +290,19 @@ def test_the_ramp_keeps_the_bounds_and_is_never_predicted_slower(model, world_si
         allowance = max(64 * 2**20, max(ramped.matrices[j].numel for j in bucket.matrices))
         over = {key: n for key, n in shares(ramped, bucket).items() if n > allowance}
         assert not over, f"bucket {k}: shares over {allowance} elements: {over}"
-    assert predicted(ramped, 1e4)[0] <= predicted(plain, 1e4)[0]
+    (_, ramped_loads), (_, plain_loads) = predicted(ramped, 1e4), predicted(plain, 1e4)
+    assert cut_flops(ramped_loads, 2e4) <= cut_flops(plain_loads, 2e4)
+
+
+def test_buckets_too_small_to_pay_for_their_host_work_stay_as_cut():
+    """A model whose whole step is less than a bucket's host work (``BUCKET_HOST_FLOPS``) on
+    the model's terms: the ramp would shorten the exchanges, by less than another bucket costs."""
+    shapes = [(16, 16), (8, 16), (8, 16), (16, 16), (32, 16), (32, 16), (16, 32)] * 12
+    matrices = layouts(shapes, 2)
+    plain = plan_for(matrices, 2, 128 * 2**20, 2)
+    assert predicted(plain, 1e4)[0] < BUCKET_HOST_FLOPS
+    ramped = build_plan(matrices, costs(matrices), 2, 128 * 2**20, 2, flops_per_byte=1e4)
+    assert ramped.buckets == plain.buckets and len(plain.buckets) == 1
 
 
 def test_the_ramp_shortens_the_first_exchange_and_the_last_return():

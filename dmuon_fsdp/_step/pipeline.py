@@ -15,15 +15,21 @@ order every rank launches them:
 - the exchanges to the owners of buckets 0 and 1 are launched first, then bucket k + 1's at the
   start of bucket k (after bucket k - 1's NS and return), each bucket's return after its NS.
 
-What it leaves out: host work (per bucket and per batch), element-wise work, exchanges of
-different ranks that could share the link, and a step begun in backward. It ranks cuts; it
-does not time steps.
+A bucket's host work (its few dozen launches) is counted as ``BUCKET_HOST_FLOPS`` per bucket
+(``cut_flops``): a cut into more buckets must save more than that. What it leaves out:
+element-wise work, exchanges of different ranks that could share the link, and a step begun in
+backward. It ranks cuts; it does not time steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# About 0.25 ms of host work per bucket (its launches, and a wait at each exchange) as the NS
+# flops a GPU runs meanwhile (400 TFLOP/s): next to nothing beside a large model's buckets, and
+# more than a small model's exchanges could ever hide.
+BUCKET_HOST_FLOPS = 1e11
 
 
 @dataclass(frozen=True)
@@ -63,3 +69,8 @@ def step_flops(loads: Sequence[Load], flops_per_element: float) -> float:
             own[owner] = max(own.get(owner, 0.0), waited) + flops
         back_end[k] = transfer(loads[k].back)
     return max(ready(), link)
+
+
+def cut_flops(loads: Sequence[Load], flops_per_element: float) -> float:
+    """A cut's predicted step (``step_flops``) and its buckets' host work."""
+    return step_flops(loads, flops_per_element) + len(loads) * BUCKET_HOST_FLOPS

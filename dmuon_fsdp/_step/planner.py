@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from dmuon_fsdp._step.layouts import MatrixLayout
-from dmuon_fsdp._step.pipeline import Load, step_flops
+from dmuon_fsdp._step.pipeline import Load, cut_flops
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ def ramp(
     cutter: Cutter,
     flops_per_element: float,
 ) -> tuple[Bucket, ...]:
-    """The cut of ``order`` whose step the pipeline's cost model (``pipeline.step_flops``)
+    """The cut of ``order`` whose step the pipeline's cost model (``pipeline.cut_flops``)
     predicts fastest, among: the plain cut, and the same with a first bucket, then also a last
     one, of one matrix of a shape per owner that has one (the first bucket's exchange and the
     last one's return are all the pipeline leaves exposed: with a shape whose own exchange is
@@ -324,7 +324,7 @@ def ramp(
         return first + cutter.cut([j for j in order if j not in chosen]) + last
 
     def cost(cut: Cut) -> float:
-        return step_flops(cut.loads, flops_per_element)
+        return cut_flops(cut.loads, flops_per_element)
 
     shapes = list(dict.fromkeys((matrices[j].rows, matrices[j].cols, costs[j]) for j in order))
     none = Cut((), ())

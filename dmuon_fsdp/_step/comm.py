@@ -60,7 +60,7 @@ def settle(views: tuple[Tensor, ...], references: tuple[int, ...]) -> None:
     the views' own reference counts tell when the worker is done with them, whatever other views
     of the same memory come and go meanwhile (buffers of a pool shared by several programs).
     The views themselves are dropped afterwards, here. Accelerator backends release work on
-    their own schedule (waiting would stall the host); their views are left to them."""
+    their own schedule (waiting would stall the host): they get the buffers themselves."""
     if not views or views[0].device.type != "cpu":
         return
     deadline = time.monotonic() + _RELEASE_TIMEOUT_S
@@ -75,9 +75,11 @@ def _references(views: tuple[Tensor, ...]) -> tuple[int, ...]:
 def _start(
     collective: Callable[..., dist.Work | None], buffers: tuple[Tensor, ...], *args: Any, **kwargs: Any
 ) -> Handle:
-    """``collective(*views of buffers, *args, async_op=True, **kwargs)`` as a Handle."""
-    views = tuple(b.view(b.shape) for b in buffers)
-    references = _references(views)
+    """``collective(*views of buffers, *args, async_op=True, **kwargs)`` as a Handle; on an
+    accelerator, of the buffers themselves (``settle`` waits for CPU views alone: a view is an op)."""
+    cpu = buffers[0].device.type == "cpu"
+    views = tuple(b.view(b.shape) for b in buffers) if cpu else buffers
+    references = _references(views) if cpu else ()
     work = collective(*views, *args, async_op=True, **kwargs)
     return Handle(buffers, work, views, references)
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import dmuon_fsdp
 from dmuon_fsdp import DMuonFSDP, param_groups
 from dmuon_fsdp._step.buffers import SLOTS
+from tests.support.models import force_ramp
 from tests.support.moe import moe_block
 from tests.support.paired_runs import (
     BUCKET,
@@ -52,6 +53,23 @@ def test_steps_begun_in_backward_equal_plain_steps(world_size):
             # the first step builds the program; later, the buckets before the flags' carrier
             # (as many as the slots hold, but one) start in backward
             assert started == (0 if step == 0 else SLOTS - 1)
+
+
+def ramped_equal(rank, world_size):
+    ramp = force_ramp(BUCKET, 1e2)  # (pair's bucket_bytes)
+    runs = pair(sharded, ns_dtype=torch.float32, ns_flops_per_byte=ramp["ns_flops_per_byte"])
+    history = train(runs, STEPS, step=plain_step)
+    plan = runs[1][1].plan
+    first = {plan.matrices[j].rows for j in plan.buckets[0].matrices}
+    return compare(runs), history, len(plan.buckets[0].matrices), first
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_ramps_small_first_bucket_begun_in_backward_equals_plain(world_size):
+    """With a ramped plan, the bucket started in backward is the ramp's small first one."""
+    for differing, history, first_size, rows in run_ranks(ramped_equal, world_size):
+        assert differing == [] and first_size == 1 and rows == {24}  # one matrix: the last layer's
+        assert [started for _, started, _ in history[1:]] == [SLOTS - 1] * (STEPS - 1)
 
 
 def test_gram_form_begun_in_backward_equals_plain():

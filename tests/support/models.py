@@ -10,6 +10,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import POLAR_EXPRESS, DMuonFSDP
+from dmuon_fsdp._step import pipeline
+from dmuon_fsdp._step.planner import build_plan
 from tests.support.reference import reference_muon_step
 from tests.support.spawn import cpu_mesh
 from tests.support.training import train
@@ -96,12 +98,19 @@ def reference_run():
     return params, bufs
 
 
-def sharded_run(rank, world_size, ns_algorithm):
-    """STEPS steps of the sharded shapes model; every parameter and momentum buffer, in full."""
+def sharded_run(rank, world_size, ns_algorithm, ramped=False):
+    """STEPS steps of the sharded shapes model; every parameter and momentum buffer, in full.
+    ``ramped``: small buckets shaped by the planner's ramp, which a model this small never
+    pays for (``force_ramp``); then also whether the plan differs from the plain cut."""
     model = sharded_model()
-    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, ns_algorithm=ns_algorithm)
+    options = force_ramp() if ramped else {}
+    opt = DMuonFSDP(make_groups(model), ns_dtype=torch.float32, ns_algorithm=ns_algorithm, **options)
     train([(model, opt)], STEPS, loss=loss_of(model))
     out = {}
+    if ramped:
+        plan = opt.plan
+        plain = build_plan(plan.matrices, plan.costs, world_size, options["bucket_bytes"], 4, plan.param_of)
+        out["ramped"] = torch.tensor(plain.buckets != plan.buckets)
     for name, holder in model.holders.items():
         p = holder.weight
         assert isinstance(p, DTensor)
@@ -109,6 +118,14 @@ def sharded_run(rank, world_size, ns_algorithm):
         if name not in VECTORS:
             out["buf:" + name] = opt.state[p]["momentum_buffer"].full_tensor()
     return out
+
+
+def force_ramp(bucket_bytes: int = 2**14, ns_flops_per_byte: float = 1e5) -> dict:
+    """Options under which the planner shapes a small model's buckets into a ramp: every bucket's
+    host work counted as nothing (``pipeline.BUCKET_HOST_FLOPS``, in this process), small
+    buckets and a link slow beside these matrices' NS."""
+    pipeline.BUCKET_HOST_FLOPS = 0.0
+    return {"bucket_bytes": bucket_bytes, "ns_flops_per_byte": ns_flops_per_byte}
 
 
 def sharded_model() -> ShapesModel:

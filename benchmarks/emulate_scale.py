@@ -22,8 +22,9 @@ real matrices), which on GPUs would run on W hosts beside the device, must stay 
 the emulated times (at 400 TFLOP/s undilated, host work alone took 133 ms of a 8-bucket step at
 W=8 whose NS floor is 104 ms).
 
-``bucket_bytes`` is scaled alike (/ S^2), so buckets hold what they would at full size, and
-``ns_flops_per_byte`` is the emulated hardware's (``--tflops`` over ``--link-gbs``). Reported per
+``bucket_bytes`` is scaled alike (/ S^2), so buckets hold what they would at full size, and the
+planner's cost model is the emulated hardware's (``ns_flops_per_byte``, ``--tflops`` over
+``--link-gbs``, and its host work per bucket, both scaled to the shrunk matrices). Reported per
 world size, medians over ``--steps`` timed steps after warm-up, contenders in turns:
 
 - the default step (128 MiB buckets, the planner's ramp), the same cut by ``bucket_bytes``
@@ -225,7 +226,14 @@ def rank_main(rank: int, world: int, port: int, contender: Contender, args, tabl
     scaled = max(1, bucket // args.scale**2)
     options = dict(lr=0.02, ns_dtype=torch.bfloat16, comm_dtype=torch.bfloat16, bucket_bytes=scaled)
     if "ns_flops_per_byte" in inspect.signature(DMuonFSDP).parameters:  # (not in older packages)
-        options["ns_flops_per_byte"] = args.tflops * 1e12 / (args.link_gbs * 1e9) if contender.ramp else 0.0
+        # The planner sees the real (shrunk) matrices: flops S^3 and bytes S^2 times fewer than the
+        # emulated ones, so its link-to-flops ratio is the hardware's / S, and its host work per
+        # bucket (emulated-device flops) S^3 times fewer real flops.
+        rate = args.tflops * 1e12 / (args.link_gbs * 1e9) / args.scale
+        options["ns_flops_per_byte"] = rate if contender.ramp else 0.0
+        from dmuon_fsdp._step import pipeline
+
+        pipeline.BUCKET_HOST_FLOPS /= args.scale**3
     params = make_params(args.layers, args.scale, mesh)
     opt = DMuonFSDP(params, **options)
     starts, ends, exchanges = [], [], []

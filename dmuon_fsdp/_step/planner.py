@@ -343,8 +343,9 @@ def ramp(
     for shape in shapes:
         last = one_per_owner(rest, shape)
         if last.loads and last.loads[0].back < longest_back:
-            ordered = tuple(Bucket(tuple(j for j in order if j in set(b.matrices))) for b in last.buckets)
-            candidate = with_ends(first, Cut(ordered, last.loads))
+            members = set(last.buckets[0].matrices)
+            ordered = Cut((Bucket(tuple(j for j in order if j in members)),), last.loads)
+            candidate = with_ends(first, ordered)
             if (c := cost(candidate)) < best_cost:
                 best, best_cost = candidate, c
     return best.buckets

@@ -247,8 +247,8 @@ class Runtime:
     ) -> Ran:
         """One step of ``params`` (the parameters of ``groups`` in optimizer order), and what its
         verdict, the same on every rank, asks for: raise alike, run again from the final
-        gradients (redo), a skip, the new key's program run once more (rebuild), or, after a
-        ``GO``, the hooks armed for the next backward."""
+        gradients (redo), a skip, the new key's program run once more (rebuild); then, for steps
+        begun in backward, the hooks armed for the next backward."""
         if params and params[0].device != self.ready().device:  # moved (model.to, to_empty)
             self.set_options(options, params[0].device)
         settings = self.ready()

@@ -1,8 +1,8 @@
-"""Planning a step key's program: ``plan_program`` runs the pipeline for a ``StepKey``: layouts
-(every rank's piece of each Muon matrix) -> each matrix's Newton-Schulz form and cost -> plan
-(owners, buckets) -> agreement over the ranks (one ``all_reduce``, with a check on) -> this
-rank's schedule. The result (``Planned``) holds no tensors; ``dmuon_fsdp._step.binding`` makes
-it into tensors.
+"""Planning a step key's program: ``plan_program`` runs the pipeline for a ``StepKey``: the
+parameters with gradients -> layouts (every rank's piece of each Muon matrix) -> each matrix's
+Newton-Schulz form and cost -> plan (owners, buckets) -> agreement over the ranks (one
+``all_reduce``, with a check on) -> this rank's schedule. The result (``Planned``) holds no
+tensors; ``dmuon_fsdp._step.binding`` makes it into tensors.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class Trouble:
 
 @dataclass(frozen=True)
 class Planned:
-    """A step key's plan, each matrix's NS form and this rank's schedule: a program but its
-    tensors (no memory to speak of)."""
+    """A step key's plan, each matrix's NS form, this rank's schedule and the parameters it
+    steps: a program but its tensors (no memory to speak of)."""
 
     plan: Plan
     forms: tuple[NSForm, ...]

@@ -18,10 +18,11 @@ iterations (2^(N-1) of them) by the worst ratio over shapes (and checkpoints), i
     python -m benchmarks.ns_accuracy runs/ns-momentum/checkpoints/step_0000100
     python -m benchmarks.ns_accuracy runs/ns-momentum/checkpoints/step_0000100 --search 5 --dtypes bfloat16
 
-Llama-3-like MLP matrices (3.5:1) come from ``benchmarks.ns_momentum_run`` (the same recipe
-with a wider MLP); an early and a late checkpoint side by side:
+Llama-3-like MLP matrices (3.5:1: 448 x 128) come from the same recipe with ``--ffn-dim 448``
+(``--ns-dtype bfloat16`` trains with the CUDA default's NS dtype on a CPU); an early and a late
+checkpoint side by side:
 
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.ns_momentum_run --preset cpu-demo-mlp35 \\
+    torchrun --standalone --nproc-per-node 2 -m recipes.pretrain --preset cpu-demo --ffn-dim 448 \\
         --optimizer dmuon --run-dir runs/ns-momentum-mlp35 --save-every 100 --overwrite
     python -m benchmarks.ns_accuracy runs/ns-momentum-mlp35/checkpoints/step_0000{100,400} \\
         --stages early late --coefficients muon

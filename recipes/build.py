@@ -29,6 +29,7 @@ def build_optimizers(args: argparse.Namespace, model: torch.nn.Module) -> list[t
                 adamw_lr=args.adamw_lr,
                 adamw_weight_decay=wd,
                 ns_algorithm=args.ns_algorithm or "standard",
+                ns_dtype=getattr(torch, args.ns_dtype) if args.ns_dtype else None,
                 variant=args.variant or "muon",
                 adjust_lr_fn=args.adjust_lr_fn,
                 overlap_backward=args.overlap_backward,

@@ -13,6 +13,8 @@ from pathlib import Path
 from dmuon_fsdp.config import NS_ALGORITHMS, VARIANTS
 from recipes.model import PRESETS
 
+NS_DTYPES = ("bfloat16", "float16", "float32")  # --ns-dtype: names of torch dtypes
+
 DEFAULT_LR = {"dmuon": 0.01, "torch-muon": 0.01, "adamw": 3e-3}  # from scripts/lr_sweep.sh
 DEFAULT_WARMUP = 20  # steps, or the run's --steps where fewer
 
@@ -51,6 +53,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="vocabulary of a --data token file (default: the preset's)",
+    )
+    model.add_argument(
+        "--ffn-dim",
+        type=int,
+        default=None,
+        help="override the preset's MLP width (each block's SwiGLU hidden size)",
     )
     model.add_argument("--compile", action="store_true", help="torch.compile each block")
 
@@ -91,6 +99,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         choices=NS_ALGORITHMS,
         help="DMuonFSDP's Newton-Schulz form: standard, gram, or auto (Gram where it needs fewer "
         "flops: the MLP matrices) (default: standard)",
+    )
+    opt.add_argument(
+        "--ns-dtype",
+        default=None,
+        choices=NS_DTYPES,
+        help="DMuonFSDP's Newton-Schulz matmul dtype (default: DMuonFSDP's, bfloat16 on CUDA and "
+        "float32 elsewhere)",
     )
     opt.add_argument(
         "--variant",
@@ -281,6 +296,7 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         "--log-every": (args.log_every, 1),
         "--replicas": (args.replicas, 1),
         "--seq-len": (args.seq_len, 1),
+        "--ffn-dim": (args.ffn_dim, 1),
         "--vocab-size": (args.vocab_size, 1),
         "--threads": (args.threads, 1),
     }
@@ -322,6 +338,7 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError("pass at most one of --data and --text")
     for flag, given in (
         ("--ns-algorithm", args.ns_algorithm is not None),
+        ("--ns-dtype", args.ns_dtype is not None),
         ("--variant", args.variant is not None),
         ("--adjust-lr-fn", args.adjust_lr_fn is not None),
         ("--overlap-backward", args.overlap_backward),

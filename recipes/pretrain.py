@@ -77,6 +77,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Setup:
     cfg = preset(
         args.preset,
         seq_len=args.seq_len,
+        ffn_dim=args.ffn_dim,
         vocab_size=args.vocab_size or corpus.vocab_size,
         tie_embeddings=args.tie_embeddings,
     )

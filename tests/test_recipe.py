@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from recipes import data
+from recipes.build import build_optimizers
+from recipes.model import Transformer, preset
 from recipes.pretrain import parse_args, train
 from tests.support.spawn import run_ranks
 
@@ -142,9 +144,20 @@ def test_smoke_two_ranks_and_the_logged_gradient_norm_is_before_clipping(tmp_pat
     assert first_norms[0] == pytest.approx(first_norms[1], rel=1e-6) and first_norms[0] > 1e-2
 
 
+def test_ns_flags_reach_the_optimizer(tmp_path, cache):
+    model = Transformer(preset("tiny", ffn_dim=48))
+    for extra, dtype, algorithm in (
+        ([], None, "standard"),
+        (["--ns-dtype", "bfloat16", "--ns-algorithm", "gram"], torch.bfloat16, "gram"),
+    ):
+        (opt,) = build_optimizers(_args(tmp_path, cache, *extra), model)
+        assert opt.ns_dtype == dtype and {g["ns_algorithm"] for g in opt.param_groups if g["use_muon"]} == {
+            algorithm
+        }
+
+
 def test_gradient_norm_is_returned_before_clipping_and_clips():
     from recipes.build import gradient_norm
-    from recipes.model import Transformer, preset
 
     torch.manual_seed(0)
     model = Transformer(preset("tiny"))
@@ -168,7 +181,6 @@ def test_flops_per_token_counts_what_runs(tie):
     from torch.utils.flop_counter import FlopCounterMode
 
     from recipes.metrics import flops_per_token, matmul_params
-    from recipes.model import Transformer, preset
 
     cfg = preset("tiny", tie_embeddings=tie)
     model = Transformer(cfg)
@@ -188,7 +200,7 @@ def _continued_losses(history):
 @pytest.mark.parametrize(
     "optimizer,layout",
     [
-        ("dmuon", ["--ns-algorithm", "auto"]),
+        ("dmuon", ["--ns-algorithm", "auto", "--ns-dtype", "bfloat16", "--ffn-dim", "48"]),
         ("adamw", []),
         ("dmuon", ["--replicas", "2"]),
         ("dmuon", ["--variant", "normuon"]),
@@ -203,6 +215,9 @@ def test_resume_continues_exactly(tmp_path, cache, optimizer, layout):
         run_recipe, 2, tmp_path / "b", cache, ["--optimizer", optimizer, "--resume", checkpoint, *layout]
     )[0]
     assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+    if "--ffn-dim" in layout:  # the run's model is the preset with this MLP width, resumed as saved
+        for run in ("a", "b"):
+            assert json.loads((tmp_path / run / "config.json").read_text())["model"]["ffn_dim"] == 48
     for a, b in zip(_continued_losses(full), _continued_losses(resumed), strict=True):
         assert abs(a - b) <= 1e-6 * abs(a), (a, b)
 
@@ -226,7 +241,6 @@ def test_resume_in_place_skips_a_partial_checkpoint_and_cuts_the_metrics_back(tm
     # The 2-rank checkpoint, loaded whole in this process (as recipes.sample does), gives the
     # validation loss the run logged at step 8: the same 8 windows, here in one batch.
     from recipes import checkpoint
-    from recipes.model import Transformer, preset
 
     model = Transformer(preset("tiny"))
     checkpoint.load_model(tmp_path / "checkpoints/step_0000008", model)

@@ -120,6 +120,12 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
             {},
             "--ns-algorithm applies to --optimizer dmuon only (got --optimizer adamw)",
         ),
+        "NS dtype for AdamW": (
+            ["--optimizer", "adamw", "--ns-dtype", "bfloat16"],
+            {},
+            "--ns-dtype applies to --optimizer dmuon only (got --optimizer adamw)",
+        ),
+        "MLP width": (["--ffn-dim", "0"], {}, "--ffn-dim must be at least 1 (got 0)"),
         "NorMuon for AdamW": (
             ["--optimizer", "adamw", "--variant", "normuon"],
             {},
@@ -195,6 +201,12 @@ def cases(root: Path) -> dict[str, tuple[list[str], dict, str]]:
             {},
             f"--resume {used}: {used}/checkpoints/step_0000002 differs from this run in preset tiny -> "
             "cpu-demo "
+            "(earlier -> now); start a new --run-dir for other settings",
+        ),
+        "resume with another MLP width": (
+            ["--resume", str(used), "--run-dir", str(used), "--ffn-dim", "48", "--steps", "6"],
+            {},
+            f"--resume {used}: {used}/checkpoints/step_0000002 differs from this run in ffn_dim 64 -> 48 "
             "(earlier -> now); start a new --run-dir for other settings",
         ),
         "new run into a used run dir": (

@@ -29,8 +29,9 @@ world size, medians over ``--steps`` timed steps after warm-up, contenders in tu
 
 - the default step (128 MiB buckets, the planner's ramp), the same cut by ``bucket_bytes``
   alone (``ns_flops_per_byte=0``, "plain cut") and the step with every matrix in one bucket,
-  over the NS floor (total NS flops / W / rate, each matrix in the form it runs) and against
-  each other;
+  over the NS floor (total NS flops / W / rate, each matrix in the form it runs), over the
+  one-owner bound (``one_owner_bound``: the busiest rank's NS, and each matrix's way to its owner,
+  NS and way back, which no cut or launch order shortens) and against each other;
 - with ``--fast-link F``, the default and one-bucket steps again on a link F times faster: the
   link's time left exposed is the default step minus the same on the fast link, its busy time
   the sum of every exchange's time on the link (per step); the default over one bucket on the
@@ -260,6 +261,7 @@ def rank_main(rank: int, world: int, port: int, contender: Contender, args, tabl
         steps_s=steps,
         link_busy_s=statistics.median(busy),
         floor_s=float(total_flops) / world / (args.tflops * 1e12),
+        bound_s=one_owner_bound(opt.plan, args),
         buckets=len(opt.plan.buckets),
         buffer_bytes=opt.last_step_stats.buffer_bytes,
     )
@@ -274,6 +276,22 @@ def rank_main(rank: int, world: int, port: int, contender: Contender, args, tabl
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def one_owner_bound(plan, args) -> float:
+    """Seconds under which no step with one owner per matrix ends on the emulated hardware: the
+    busiest rank's NS, and each matrix's way to its owner (the elements it takes), its NS and its
+    way back (bf16 on the wire), at full size."""
+    rate, link = args.tflops * 1e12, args.link_gbs * 1e9
+    flops, bytes_ = args.scale**3, 2 * args.scale**2
+    loads = [0] * plan.world_size
+    chain = 0.0
+    for j, m in enumerate(plan.matrices):
+        owner = plan.owners[j]
+        loads[owner] += plan.costs[j]
+        taken = sum(p.numel for r, p in enumerate(m.pieces) if r != owner)
+        chain = max(chain, 2 * taken * bytes_ / link + plan.costs[j] * flops / rate)
+    return max(chain, max(loads) * flops / rate)
 
 
 def free_port() -> int:
@@ -389,6 +407,8 @@ def print_table(results: dict, args) -> None:
         "one bucket ms",
         "NS floor ms",
         "default / floor",
+        "one-owner bound ms",
+        "default / bound",
         "default / one bucket",
         *fast,
         "buffer KiB (rank 0, real size)",
@@ -410,6 +430,8 @@ def print_table(results: dict, args) -> None:
                 f"{one['step_s'] * 1e3:.1f}",
                 f"{d['floor_s'] * 1e3:.1f}",
                 f"{d['step_s'] / d['floor_s']:.2f}x",
+                f"{d['bound_s'] * 1e3:.1f}" if "bound_s" in d else "-",
+                f"{d['step_s'] / d['bound_s']:.2f}x" if "bound_s" in d else "-",
                 f"{d['step_s'] / one['step_s']:.2f}x",
             ]
             if args.fast_link:

@@ -293,6 +293,8 @@ def test_emulate_scale_reports_the_step_against_the_floor_one_bucket_and_a_fast_
     default, one, plain = results["W=2 default"], results["W=2 one"], results["W=2 plain cut"]
     fast = results["W=2 default fast"]
     assert default["floor_s"] > 0 and default["step_s"] >= default["floor_s"] * 0.99
+    # no schedule with one owner per matrix beats its bound, which is at least the NS floor
+    assert default["bound_s"] >= default["floor_s"] * 0.99 and default["step_s"] >= default["bound_s"] * 0.99
     assert one["buckets"] == 1 and default["buckets"] >= 1 and plain["buckets"] >= 1
     assert default["buffer_bytes"] > 0 and default["deeper_buffer_bytes"] > 0
     # the link's busy time scales with its speed; the fast link leaves the NS floor and host work

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ def build_model(args: argparse.Namespace, cfg: ModelConfig, device: torch.device
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if device.type == "cuda"
-        else None
+        else MixedPrecisionPolicy()  # (fully_shard's default: the parameters' own dtypes)
     )
     # An explicit mesh: without one FSDP2 uses the machine's accelerator even for a gloo CPU run.
     world = dist.get_world_size()
@@ -79,19 +80,18 @@ def build_model(args: argparse.Namespace, cfg: ModelConfig, device: torch.device
         )
     else:
         mesh = init_device_mesh(device.type, (world,))
-    kwargs = {"mesh": mesh}
-    if mp:
-        kwargs["mp_policy"] = mp
-    for block in model.layers:
+    for block in model.blocks():
         if args.compile:
             block.compile()
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
 @torch.no_grad()
-def evaluate(model, batches, device) -> float:
+def evaluate(
+    model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> float:
     total = torch.zeros((), device=device)
     for x, y in batches:
         total += model(x.to(device), y.to(device)).float()
@@ -107,19 +107,17 @@ def gradient_norm(model: torch.nn.Module, clip: float) -> float:
     if clip > 0:
         norm = clip_grad_norm_(params, clip)
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.get_total_norm([g for p in params if (g := p.grad) is not None])
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
-def qk_clip(
-    args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> QKClip | None:
+def qk_clip(args: argparse.Namespace, model: Transformer, optimizer: torch.optim.Optimizer) -> QKClip | None:
     """With --qk-clip or --max-logits: every attention layer records its heads' largest logits,
     and a QKClip (reducing only, without --qk-clip) for the optimizer holding W_q and W_k."""
     if args.qk_clip is None and not args.max_logits:
         return None
     layers = []
-    for block in model.layers:
+    for block in model.blocks():
         attention = block.attention
         attention.track_max_logits = True
         layers.append(

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,16 +39,26 @@ def step_of(path: Path) -> int | None:
     return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
 
 
+def step_number(path: Path) -> int:
+    """The step of a path known to be a checkpoint directory (``step_of`` finds one)."""
+    step = step_of(path)
+    if step is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step_N)")
+    return step
+
+
 def is_complete(path: Path) -> bool:
     return (path / ".metadata").is_file()
 
 
 def all_steps(run_dir: str | Path) -> list[Path]:
     """Every checkpoint directory of a run (named step_N), complete or not, oldest first."""
-    found = [
-        p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir() and step_of(p) is not None
-    ]
-    return sorted(found, key=step_of)
+    found = {
+        p: step
+        for p in (Path(run_dir) / "checkpoints").glob("step_*")
+        if p.is_dir() and (step := step_of(p)) is not None
+    }
+    return sorted(found, key=found.__getitem__)
 
 
 def latest(run_dir: str | Path) -> Path | None:
@@ -84,7 +96,7 @@ def make_room(run_dir: str | Path, keep: int) -> list[Path]:
     return prune(run_dir, keep - 1)
 
 
-def _state(model: nn.Module, optimizers: list, schedulers: list, step: int) -> dict:
+def _state(model: nn.Module, optimizers: Sequence, schedulers: Sequence, step: int) -> dict:
     return {
         "model": get_model_state_dict(model),
         "optimizers": [get_optimizer_state_dict(model, opt) for opt in optimizers],
@@ -105,7 +117,7 @@ def _cause(error: BaseException) -> str:
     return cause.splitlines()[0]
 
 
-def save(path: str | Path, model: nn.Module, optimizers: list, schedulers: list, step: int) -> None:
+def save(path: str | Path, model: nn.Module, optimizers: Sequence, schedulers: Sequence, step: int) -> None:
     """Save with DCP; a failure (a full disk, a directory that cannot be written) is a
     CheckpointError naming the checkpoint and the cause, on every rank. What the failed save
     wrote stays: without .metadata it is incomplete, and a resume skips it."""
@@ -115,7 +127,7 @@ def save(path: str | Path, model: nn.Module, optimizers: list, schedulers: list,
         raise CheckpointError(f"checkpoint {path} could not be saved: {_cause(error)}") from error
 
 
-def _read(state: dict, path: str | Path, **kwargs) -> None:
+def _read(state: dict, path: str | Path, **kwargs: Any) -> None:
     """``dcp.load`` into ``state``; any failure becomes a CheckpointError naming the checkpoint
     and the cause."""
     try:
@@ -140,7 +152,7 @@ def _without_newer_group_options(state: dict, path: str | Path) -> None:
                 del group[key]
 
 
-def load(path: str | Path, model: nn.Module, optimizers: list, schedulers: list) -> int:
+def load(path: str | Path, model: nn.Module, optimizers: Sequence, schedulers: Sequence) -> int:
     """Restore everything in place; returns the step to continue from. Raises CheckpointError
     for a checkpoint DCP cannot read (a missing or corrupt shard, another model)."""
     state = _state(model, optimizers, schedulers, 0)

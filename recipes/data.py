@@ -214,10 +214,9 @@ def validation_batches(
 def load_corpus(args: argparse.Namespace) -> Corpus:
     """The corpus the flags name; a missing, empty or malformed file is a UsageError naming the
     flag (a text file given as --data is named as such)."""
-    flag, path = ("--data", args.data) if args.data else ("--text", args.text) if args.text else (None, None)
-    if flag is None:
+    if not (args.data or args.text):
         return stdlib_corpus(args.cache_dir)
-    path = Path(path)
+    flag, path = ("--data", Path(args.data)) if args.data else ("--text", Path(args.text))
     if not path.exists():
         raise UsageError(f"{flag} {path}: no such file")
     if not path.is_file():

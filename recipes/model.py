@@ -4,6 +4,7 @@ tied embeddings, with named size presets."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ PRESETS = {
 }
 
 
-def preset(name: str, **overrides) -> ModelConfig:
+def preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
@@ -150,6 +151,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    rope_cos: torch.Tensor  # (buffers)
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -169,9 +173,27 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
-        for block in self.layers:  # scaled residual projections, as in GPT-2
+        for block in self.blocks():  # scaled residual projections, as in GPT-2
             for proj in (block.attention.wo, block.feed_forward.w2):
                 nn.init.normal_(proj.weight, std=0.02 / (2 * self.cfg.n_layers) ** 0.5)
+
+    def blocks(self) -> list[Block]:
+        """The transformer blocks, typed (``self.layers`` holds them as modules)."""
+        return [cast(Block, block) for block in self.layers]
+
+    def max_logits(self) -> list[torch.Tensor]:
+        """Each layer's largest pre-softmax logit per head since ``reset_max_logits``."""
+        seen = [block.attention.max_logits for block in self.blocks()]
+        missing = [i for i, logits in enumerate(seen) if logits is None]
+        if missing:
+            raise RuntimeError(
+                f"layers {missing} recorded no logits: set track_max_logits and run a forward with gradients"
+            )
+        return [logits for logits in seen if logits is not None]
+
+    def reset_max_logits(self) -> None:
+        for block in self.blocks():
+            block.attention.max_logits = None
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, time, vocab), or the mean cross-entropy when ``targets`` are given."""

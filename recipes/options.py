@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from dmuon_fsdp.config import NS_ALGORITHMS, VARIANTS
 from recipes.model import PRESETS
@@ -28,12 +30,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
-            return action.help
+            return action.help or ""
         return f"{action.help} (default: %(default)s)"
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + message on every rank
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message on every rank
         raise UsageError(message)
 
 
@@ -352,7 +354,7 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError("--overwrite and --resume auto contradict each other: pass one")
 
 
-def lr_factor(args: argparse.Namespace):
+def lr_factor(args: argparse.Namespace) -> Callable[[int], float]:
     """The lr schedule as a factor of the peak lr at a 0-based step: linear warm-up, then cosine or
     linear decay to --min-lr-ratio at --steps."""
 

@@ -22,11 +22,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 if not __package__:  # run by path (python recipes/x.py, torchrun recipes/x.py): the repository's recipes
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,7 +47,7 @@ from recipes.build import (
 )
 from recipes.data import Corpus, batch_for_step, check_corpus, load_corpus, validation_batches
 from recipes.metrics import Console, MetricsLog, flops_per_token, peak_memory_mb, peak_tflops, step_times
-from recipes.model import ModelConfig, preset
+from recipes.model import ModelConfig, Transformer, preset
 from recipes.options import UsageError, lr_factor
 from recipes.run_lock import RunLock
 from recipes.stop import STOPPED, StopSignals, let_threads_run
@@ -99,6 +102,9 @@ def rank0_says(message: str | None) -> str | None:
     return box[0]
 
 
+T = TypeVar("T")
+
+
 class Rank0Files:
     """Rank 0's own file work. A failure is kept, and ``agree`` (the step's one reduction)
     raises it on every rank, so none is left waiting in a collective for rank 0."""
@@ -107,7 +113,7 @@ class Rank0Files:
         self.rank, self.device = rank, device
         self.error: str | None = None
 
-    def do(self, action, *args):
+    def do(self, action: Callable[..., T], *args: Any) -> T | None:
         """``action(*args)`` on rank 0 unless an earlier write failed; an OSError is kept."""
         if self.rank != 0 or self.error is not None:
             return None
@@ -188,10 +194,18 @@ def resume_command(directory: Path) -> str:
     return f"torchrun --nproc-per-node {local}{nodes} -m recipes.pretrain --resume {directory}"
 
 
-def run(args, setup: Setup, start: run_dir.RunStart, device, files: Rank0Files, stop: StopSignals) -> dict:
+def run(
+    args: argparse.Namespace,
+    setup: Setup,
+    start: run_dir.RunStart,
+    device: torch.device,
+    files: Rank0Files,
+    stop: StopSignals,
+) -> dict:
     corpus, cfg = setup.corpus, setup.cfg
     rank, world = files.rank, dist.get_world_size()
     model = build_model(args, cfg, device)
+    assert isinstance(model, FSDPModule)  # (build_model shards it)
     optimizers = build_optimizers(args, model)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args)) for opt in optimizers]
     clip = qk_clip(args, model, optimizers[0])
@@ -227,8 +241,7 @@ def run(args, setup: Setup, start: run_dir.RunStart, device, files: Rank0Files, 
         inputs, targets = batch_for_step(
             corpus.train, cfg.seq_len, args.batch_size, args.seed, step, rank, world
         )
-        for block in model.layers:
-            block.attention.max_logits = None  # this step's batch only
+        model.reset_max_logits()  # this step's batch only
         for m, (x, y) in enumerate(
             zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum), strict=True)
         ):
@@ -242,7 +255,7 @@ def run(args, setup: Setup, start: run_dir.RunStart, device, files: Rank0Files, 
         t1 = time.perf_counter()
         for opt in optimizers:
             opt.step()
-        logits = clip.clip([block.attention.max_logits for block in model.layers]) if clip else None
+        logits = clip.clip(model.max_logits()) if clip else None
         if device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -320,7 +333,16 @@ def should_save(args: argparse.Namespace, step: int, stopping: bool, newest: int
     )
 
 
-def save(args, directory: Path, step: int, model, optimizers, schedulers, console, files) -> Path:
+def save(
+    args: argparse.Namespace,
+    directory: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler],
+    console: Console,
+    files: Rank0Files,
+) -> Path:
     """A checkpoint of ``step``, keeping --keep-last of them: the oldest go before the save when
     the disk lacks room for one more, else after it. A failed save raises CheckpointError."""
     path = checkpoint.step_dir(directory, step)
@@ -336,9 +358,9 @@ def save(args, directory: Path, step: int, model, optimizers, schedulers, consol
 
 
 def write_summary(
-    args,
+    args: argparse.Namespace,
     directory: Path,
-    model,
+    model: Transformer,
     history: dict,
     fb_times: list,
     opt_times: list,

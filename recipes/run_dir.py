@@ -183,9 +183,9 @@ def plan_start(args: argparse.Namespace, config: dict, resumed: Resumed) -> RunS
     delete: list[Path] = []
     found, source_dir, continues_run = resumed.checkpoint, resumed.source_dir, resumed.continues_run
     if source_dir is not None:
-        newer = [
-            p for p in checkpoint.all_steps(source_dir) if checkpoint.step_of(p) > checkpoint.step_of(found)
-        ]
+        assert found is not None  # (source_dir is the run directory found belongs to)
+        last = checkpoint.step_number(found)
+        newer = [p for p in checkpoint.all_steps(source_dir) if checkpoint.step_number(p) > last]
         if continues_run and any(map(checkpoint.is_complete, newer)):
             raise UsageError(
                 f"--resume {args.resume}: {run_dir} has newer complete checkpoints "
@@ -218,7 +218,7 @@ def plan_start(args: argparse.Namespace, config: dict, resumed: Resumed) -> RunS
         notes.append(f"cannot check the settings of {found}: it is not in a run directory's checkpoints/")
     elif found is not None and resumed.config is None:
         notes.append(f"cannot check the settings of {found}: no config.json in {source_dir}")
-    step = checkpoint.step_of(found) if found is not None else 0
+    step = checkpoint.step_number(found) if found is not None else 0
     earlier = resumed.config
     if earlier is not None:
         try:

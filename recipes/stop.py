@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from types import FrameType
 
 STOPPED = 3  # the exit status of a run stopped by a signal (after its checkpoint)
 SAME_REQUEST_S = 1.0
@@ -36,11 +37,11 @@ class StopSignals:
             self._before = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._before.items():
             signal.signal(sig, handler)
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
         if self.requested is None:
             self.requested, self._at = signal.Signals(signum).name, now
@@ -67,7 +68,7 @@ def let_threads_run(quiet_polls: int = 3, poll_s: float = 0.005, limit_s: float 
     if not os.path.isdir(tasks):
         time.sleep(0.2)
         return
-    deadline, quiet, busy = time.monotonic() + limit_s, 0, []
+    deadline, quiet, busy = time.monotonic() + limit_s, 0, list[str]()
     while quiet < quiet_polls:
         if time.monotonic() > deadline:
             print(f"finish: threads {busy} still runnable after {limit_s} s", file=sys.stderr, flush=True)

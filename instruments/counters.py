@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import Self
 
 
 class OpCounter(TorchDispatchMode):
@@ -22,7 +23,9 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -36,7 +39,7 @@ class _Patches:
     def wrap(self, name: str, original: Any) -> Any:
         raise NotImplementedError
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         self._originals = [
             (owner, name, getattr(owner, name)) for owner, names in self.targets for name in names
         ]
@@ -59,7 +62,7 @@ class HostReads(_Patches):
         self.count = 0
 
     def wrap(self, name: str, original: Any) -> Any:
-        def read(tensor, *args, **kwargs):
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self.count += 1
             return original(tensor, *args, **kwargs)
 
@@ -94,7 +97,7 @@ class CollectiveCalls(_Patches):
         self.seconds = 0.0
 
     def wrap(self, name: str, original: Any) -> Any:
-        def call(*args, **kwargs):
+        def call(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
             if name == "all_to_all_single":
                 _, sent, receive_counts, send_counts = args[:4]
@@ -124,7 +127,7 @@ class GroupCalls(_Patches):
         self.calls: list[tuple[str, tuple, bool]] = []
 
     def wrap(self, name: str, original: Any) -> Any:
-        def make(*args, **kwargs):
+        def make(*args: Any, **kwargs: Any) -> Any:
             if name == "split_group":  # (parent_pg, split_ranks, ...)
                 splits = kwargs.get("split_ranks", args[1] if len(args) > 1 else ())
                 shown: tuple = tuple(tuple(sorted(r)) for r in splits)

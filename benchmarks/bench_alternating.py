@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dmuon_fsdp import DMuonFSDP
+from dmuon_fsdp import DMuonFSDP, StepStats
 from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.state import local_shard
 from instruments.counters import CollectiveCalls
@@ -63,6 +63,12 @@ class Branched(nn.Module):
         return [{"params": self.trunk.parameters()}, {"params": self.branches.parameters(), "flatten": False}]
 
 
+def last_stats(opt: DMuonFSDP) -> StepStats:
+    """``opt.last_step_stats`` of an optimizer that has stepped."""
+    assert opt.last_step_stats is not None  # (set by opt's first step)
+    return opt.last_step_stats
+
+
 def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -74,8 +80,8 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
         runs[name] = (model, DMuonFSDP(model.groups(), ns_dtype=torch.float32))
-    times = {name: [] for name in runs}
-    calls = {name: [] for name in runs}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    calls: dict[str, list[dict[str, int]]] = {name: [] for name in runs}
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
     for step in range(args.warmup + args.steps):
         for name, (model, opt) in runs.items():
@@ -96,7 +102,7 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
             name: {
                 "step_ms": statistics.median(t) * 1e3,
                 "calls": calls[name][-1],
-                "buffer_mib": runs[name][1].last_step_stats.buffer_bytes / 2**20,
+                "buffer_mib": last_stats(runs[name][1]).buffer_bytes / 2**20,
                 "state_mib": sum(
                     local_shard(v).numel() * v.element_size()
                     for st in runs[name][1].state.values()

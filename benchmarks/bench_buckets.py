@@ -67,6 +67,7 @@ def main() -> None:
             opt.step()
             muon = [p for group in opt.param_groups if group["use_muon"] for p in group["params"]]
             own = sum(p.to_local().numel() * p.element_size() for p in muon)
+            assert opt.last_step_stats is not None and opt.plan is not None  # (opt has stepped)
             buffers = opt.last_step_stats.buffer_bytes
             rows.append((mib, len(opt.plan.buckets), own, buffers))
             del opt

@@ -23,7 +23,7 @@ from benchmarks.matmul_floor import bmm_seconds
 from dmuon_fsdp import param_groups
 from dmuon_fsdp._step.planner import build_plan
 from instruments.plans import chunk_row_counts, newton_schulz_flops, rank_loads, row_sharded_layout
-from recipes.model import PRESETS, Transformer, preset
+from recipes.model import PRESETS, ModelConfig, Transformer, preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def run(optimizer: str, world: int, args: argparse.Namespace) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def dmuon_ns_floor_ms(cfg, world: int) -> tuple[float, float]:
+def dmuon_ns_floor_ms(cfg: ModelConfig, world: int) -> tuple[float, float]:
     """(busiest rank's NS GFLOP, its bmm floor in ms) for the model's Muon matrices."""
     torch.set_num_threads(1)
     shapes = [tuple(p.shape) for _, p in param_groups(Transformer(cfg))[0]["params"]]
@@ -109,9 +109,9 @@ def main() -> None:
     print(f"\nJSON: {out}")
 
 
-def report(results: dict, cfg, args: argparse.Namespace) -> None:
+def report(results: dict, cfg: ModelConfig, args: argparse.Namespace) -> None:
     total_flops = sum(
-        newton_schulz_flops(*p.shape, 5) for _, p in param_groups(Transformer(cfg))[0]["params"]
+        newton_schulz_flops(p.shape[0], p.shape[1], 5) for _, p in param_groups(Transformer(cfg))[0]["params"]
     )
     print(
         f"\n## End-to-end step, preset {args.preset}, global batch {args.batch_size} x {cfg.seq_len} tokens, "

@@ -120,6 +120,7 @@ def measure(names: list[str], model: torch.nn.Module, steps: int, warmup: int) -
             ns = []
             for _ in range(10):
                 opt.step()
+                assert opt.last_step_stats is not None  # (set by the step just taken)
                 ns.append(opt.last_step_stats.seconds.get("newton_schulz", 0.0))
             opt.time_phases = False
             result[name]["ns_ms"] = statistics.median(ns) * 1e3

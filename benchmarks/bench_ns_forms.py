@@ -24,6 +24,7 @@ import socket
 import statistics
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from dmuon_fsdp._step import comm
 from dmuon_fsdp.config import NS_ALGORITHMS
 from dmuon_fsdp.newton_schulz import (
     MUON_COEFFICIENTS,
+    Coefficients,
     Workspace,
     default_ns_dtype,
     ns_segments,
@@ -55,7 +57,10 @@ def preset_shapes(name: str) -> Counter:
 
 
 def ns_seconds(
-    stack: torch.Tensor, coefficients, forms: dict[str, tuple[int, ...]], repeats: int
+    stack: torch.Tensor,
+    coefficients: Sequence[Coefficients],
+    forms: dict[str, tuple[int, ...]],
+    repeats: int,
 ) -> dict[str, float]:
     """Best time of ``orthogonalize_`` on a copy of ``stack`` (the copy is not timed) per form,
     the forms taking turns so that the machine's drift hits them alike."""
@@ -133,12 +138,13 @@ def step_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
             comm.all_max(took, None)  # settled, as bench_optimizer's reductions
             if i >= args.warmup:
                 samples[alg].append(took.item())
-    flops = {}
+    flops: dict[str, float] = {}
     for alg, opt in optimizers.items():
+        assert opt.last_step_stats is not None  # (every optimizer has stepped)
         mine = torch.tensor([opt.last_step_stats.ns_flops], dtype=torch.float64, device=device)
         flops[alg] = comm.all_max(mine, None).item()
     if rank == 0:
-        result = {
+        result: dict[str, dict[str, float | int | str]] = {
             alg: {"median_s": statistics.median(v), "min_s": min(v), "busiest_ns_flops": flops[alg]}
             for alg, v in samples.items()
         }

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 
 from benchmarks.gather_muon import GatherAllMuon
 from benchmarks.matmul_floor import bmm_seconds, ns_throughput_report
-from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, param_groups
+from dmuon_fsdp import AttentionWeights, DMuonFSDP, QKClip, StepStats, param_groups
 from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.run import PHASES
 from dmuon_fsdp.newton_schulz import default_ns_dtype
@@ -56,9 +56,9 @@ class ClippedStep:
     """DMuonFSDP's step, then QK-clip on every attention layer with logits over tau on every head
     (so every step scales every q and k row), its all_reduce included."""
 
-    def __init__(self, model: torch.nn.Module, ns_dtype: torch.dtype):
+    def __init__(self, model: Transformer, ns_dtype: torch.dtype) -> None:
         self.opt = DMuonFSDP(param_groups(model), ns_dtype=ns_dtype)
-        attention = [block.attention for block in model.layers]
+        attention = [block.attention for block in model.blocks()]
         self.clip = QKClip(
             self.opt,
             [AttentionWeights(a.wq.weight, a.wk.weight, a.n_heads, a.n_kv_heads) for a in attention],
@@ -71,10 +71,13 @@ class ClippedStep:
         self.clip.clip(self.logits)
 
 
-def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) -> list:
-    if name in ("adamw", "adamw-fused"):
-        kernel = {"fused": True} if name == "adamw-fused" else {"foreach": True}
-        return [torch.optim.AdamW(model.parameters(), lr=1e-3, **kernel)]
+def make_optimizers(
+    name: str, model: Transformer, ns_dtype: torch.dtype
+) -> list[torch.optim.Optimizer | ClippedStep]:
+    if name == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)]
+    if name == "adamw-fused":
+        return [torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)]
     groups = param_groups(model)
     if name in ("dmuon", "dmuon-no-overlap"):
         return [DMuonFSDP(groups, ns_dtype=ns_dtype, overlap=name == "dmuon")]
@@ -97,10 +100,15 @@ def make_optimizers(name: str, model: torch.nn.Module, ns_dtype: torch.dtype) ->
 
 
 def timed_steps(
-    contenders: dict[str, list], steps: dict[str, int], warmup: int, device: torch.device
+    contenders: dict[str, list[torch.optim.Optimizer | ClippedStep]],
+    steps: dict[str, int],
+    warmup: int,
+    device: torch.device,
 ) -> dict:
     """Each contender's ``warmup + steps[name]`` steps, interleaved (a step of each in turn, so
     that all see the same load on a shared machine); the timings of those after warm-up."""
+    group = dist.group.WORLD
+    assert group is not None  # (the workers initialize the default process group first)
     wall: dict[str, list[float]] = {name: [] for name in contenders}
     cpu: dict[str, list[float]] = {name: [] for name in contenders}
     for i in range(warmup + max(steps.values())):
@@ -120,7 +128,7 @@ def timed_steps(
                 dtype=torch.float64,
                 device=device,
             )  # NCCL reduces device tensors only
-            table = comm.all_rows(sample, dist.group.WORLD)  # every rank's (wall, cpu); see below
+            table = comm.all_rows(sample, group)  # every rank's (wall, cpu); see below
             if i >= warmup:
                 wall[name].append(table[:, 0].max().item())
                 cpu[name].append(table[:, 1].sum().item())
@@ -136,32 +144,40 @@ def timed_steps(
     }
 
 
-def dmuon_breakdown(model, ns_dtype, steps, device, world) -> dict:
+def dmuon_breakdown(
+    model: Transformer, ns_dtype: torch.dtype, steps: int, device: torch.device, world: int
+) -> dict:
     """Phase times, flops and bytes of DMuonFSDP with phase timing on, plus the bmm floor."""
     opt = DMuonFSDP(param_groups(model), ns_dtype=ns_dtype, time_phases=True)
-    per_step = []
+    per_step: list[StepStats] = []
     for _ in range(steps + 1):
         dist.barrier()
         opt.step()
+        assert opt.last_step_stats is not None  # (set by the step just taken)
         per_step.append(opt.last_step_stats)
     per_step = per_step[1:]
     stats = per_step[-1]
     plan, me = opt.plan, opt.exchange_rank
+    assert plan is not None  # (opt has stepped)
+    group = dist.group.WORLD
+    assert group is not None  # (the workers initialize the default process group first)
     element = torch.empty((), dtype=ns_dtype).element_size()
     floor = bmm_seconds(plan, me, ns_dtype, device)
     seconds = [statistics.median(s.seconds.get(ph, 0.0) for s in per_step) for ph in PHASES]
     counts = [stats.ns_flops, stats.bytes_sent, stats.bytes_received, plan.elements_moved(me) * element]
     mine = torch.tensor([*seconds, *counts, floor], dtype=torch.float64, device=device)
     everyone = []
-    for row in comm.all_rows(mine, dist.group.WORLD).tolist():
-        counts = ("ns_flops", "bytes_sent", "bytes_received", "bytes_bound")
-        numbers = dict(zip(counts, map(int, row[len(PHASES) : -1]), strict=True))  # the floor is last
-        seconds = dict(zip(PHASES, row[: len(PHASES)], strict=True))
-        everyone.append({"seconds": seconds, **numbers, "floor_s": row[-1]})
+    for row in comm.all_rows(mine, group).tolist():
+        names = ("ns_flops", "bytes_sent", "bytes_received", "bytes_bound")
+        numbers = dict(zip(names, map(int, row[len(PHASES) : -1]), strict=True))  # the floor is last
+        phase_seconds = dict(zip(PHASES, row[: len(PHASES)], strict=True))
+        everyone.append({"seconds": phase_seconds, **numbers, "floor_s": row[-1]})
     return {"ranks": everyone, "buckets": len(plan.buckets), "matrices": len(plan.matrices)}
 
 
-def sharded_model(rank: int, world: int, port: int, preset_name: str, cpu: bool, threads: int):
+def sharded_model(
+    rank: int, world: int, port: int, preset_name: str, cpu: bool, threads: int
+) -> tuple[torch.device, Transformer]:
     """(device, model): this rank's process group (NCCL on its GPU, else gloo with ``threads``
     torch threads) and the preset model with every block and the root under ``fully_shard``."""
     cuda = torch.cuda.is_available() and not cpu

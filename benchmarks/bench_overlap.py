@@ -26,17 +26,19 @@ import json
 import socket
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP, clip_grad_norm_, param_groups
 from dmuon_fsdp._step import comm
-from recipes.model import Transformer, preset
+from recipes.model import ModelConfig, Transformer, preset
 
 # The plain step at its default buckets and at --bucket-mib, the overlap at --bucket-mib; both
 # also clipped every step, which makes the overlap redo every step: clipped with
@@ -51,7 +53,7 @@ CONTENDERS = (
     "dmuon-overlap-clipped",
     "dmuon-overlap-torch-clip",
 )
-CLIPS = {
+CLIPS: dict[str, Callable[[Iterable[torch.Tensor], float], torch.Tensor]] = {
     "dmuon-clipped": torch.nn.utils.clip_grad_norm_,
     "dmuon-overlap-clipped": clip_grad_norm_,
     "dmuon-overlap-torch-clip": torch.nn.utils.clip_grad_norm_,
@@ -64,7 +66,7 @@ class DelayedWork:
     def __init__(self, work: dist.Work, ready_at: float) -> None:
         self.work, self.ready_at = work, ready_at
 
-    def wait(self, *args) -> bool:
+    def wait(self, *args: Any) -> bool:
         self.work.wait(*args)
         time.sleep(max(0.0, self.ready_at - time.monotonic()))
         return True
@@ -77,11 +79,20 @@ class EmulatedLink:
     """Wraps ``dist.all_to_all_single`` while ``latency_s`` is set (None: the real call)."""
 
     def __init__(self, gbs: float) -> None:
-        self.gbs, self.latency_s, self.original = gbs, None, dist.all_to_all_single
+        self.gbs, self.original = gbs, dist.all_to_all_single
+        self.latency_s: float | None = None
         dist.all_to_all_single = self.call
 
-    def call(self, output, input, output_splits=None, input_splits=None, group=None, async_op=False):
-        work = self.original(output, input, output_splits, input_splits, group=group, async_op=True)
+    def call(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> dist.Work | DelayedWork | bool:
+        work = self.original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=True)
         if self.latency_s is None:
             return work if async_op else work.wait()
         moved = max(input.numel(), output.numel()) * input.element_size()
@@ -89,25 +100,35 @@ class EmulatedLink:
         return delayed if async_op else delayed.wait()
 
 
-def contenders(cfg, mesh, bucket_bytes: int) -> dict:
+def contenders(
+    cfg: ModelConfig, mesh: DeviceMesh, bucket_bytes: int
+) -> dict[str, tuple[Transformer, torch.optim.Optimizer]]:
     """name -> (model, optimizer), each model sharded by FSDP2 one block per unit, alike."""
-    out = {}
+    out: dict[str, tuple[Transformer, torch.optim.Optimizer]] = {}
     for name in CONTENDERS:
         torch.manual_seed(0)
         model = Transformer(cfg)
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        opt: torch.optim.Optimizer
         if name == "adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95))
         else:
-            small = dict(bucket_bytes=bucket_bytes) if "overlap" in name or "small" in name else {}
+            small: dict[str, Any] = (
+                dict(bucket_bytes=bucket_bytes) if "overlap" in name or "small" in name else {}
+            )
             opt = DMuonFSDP(param_groups(model), overlap_backward="overlap" in name, **small)
         out[name] = (model, opt)
     return out
 
 
-def timed_step(model, opt, tokens, clip) -> tuple[float, float, int]:
+def timed_step(
+    model: Transformer,
+    opt: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    clip: Callable[[Iterable[torch.Tensor], float], torch.Tensor] | None,
+) -> tuple[float, float, int]:
     """(forward + backward seconds, clip + step seconds, buckets started in backward); ``clip``:
     None, or a clip_grad_norm_ to call with a norm every step exceeds."""
     start = time.perf_counter()
@@ -141,7 +162,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 if step >= args.warmup:
                     samples.setdefault((latency, name), []).append(result)
     link.latency_s = None
-    buckets = len(runs["dmuon-overlap"][1].plan.buckets)
+    overlap = runs["dmuon-overlap"][1]
+    assert isinstance(overlap, DMuonFSDP) and overlap.plan is not None  # (a DMuonFSDP that has stepped)
+    buckets = len(overlap.plan.buckets)
     if rank == 0:
         report(args, samples, buckets)
     comm.all_max(torch.zeros(1), None)
@@ -149,7 +172,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 
 def report(args: argparse.Namespace, samples: dict, buckets: int) -> None:
-    def median_ms(values) -> float:
+    def median_ms(values: list[float]) -> float:
         return 1000 * statistics.median(values)
 
     # AdamW runs no all-to-all: its forward + backward over every latency is one baseline.

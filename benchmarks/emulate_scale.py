@@ -60,11 +60,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:  # (the package is imported in each rank, from the folder its contender names)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dmuon_fsdp import Plan
 
 LLAMA3_8B = (4096, 1024, 14336)  # dim, kv dim, MLP width
 DEFAULT_BUCKET = 128 * 2**20
@@ -89,7 +96,7 @@ def layer_shapes(scale: int) -> list[tuple[int, int]]:
     return [(dim, dim), (kv, dim), (kv, dim), (dim, dim), (ffn, dim), (ffn, dim), (dim, ffn)]
 
 
-def matmul_flops(func, args) -> int:
+def matmul_flops(func: OpOverload, args: tuple[Any, ...]) -> int:
     """2 x multiply-adds of one matmul call (the batch included)."""
     if func in (_aten.mm.default, _aten.mm.out) or func in (_aten.bmm.default, _aten.bmm.out):
         a, b = args[0], args[1]
@@ -110,7 +117,9 @@ class EmulatedDevice(TorchDispatchMode):
         self.busy_until = 0.0
         self.flops = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in MATMULS:
             flops = matmul_flops(func, args) * self.cube
@@ -131,22 +140,34 @@ class PacedLink:
     waits for it. ``table`` (shared by the ranks) holds, per exchange in launch order, each rank's
     bytes and ready time."""
 
-    def __init__(self, table: torch.Tensor, rank: int, scale: int, bandwidth: float, device) -> None:
+    def __init__(
+        self, table: torch.Tensor, rank: int, scale: int, bandwidth: float, device: EmulatedDevice
+    ) -> None:
         self.table, self.rank, self.device = table, rank, device
         self.square, self.bandwidth = scale**2, bandwidth
         self.launched = 0
         self.ends: list[float] = []
         self.real = dist.all_to_all_single
 
-    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> _PacedWork:
+        if output_split_sizes is None or input_split_sizes is None:
+            raise ValueError("PacedLink paces exchanges with split sizes (as DMuonFSDP's)")
         n = self.launched
         self.launched += 1
-        me = dist.get_rank(kw.get("group"))
+        me = dist.get_rank(group)
         sent = sum(input_split_sizes) - input_split_sizes[me]
         received = sum(output_split_sizes) - output_split_sizes[me]
         self.table[n, self.rank, 0] = max(sent, received) * input.element_size() * self.square
         self.table[n, self.rank, 1] = max(time.monotonic(), self.device.busy_until)
-        work = self.real(output, input, output_split_sizes, input_split_sizes, **kw)
+        work = self.real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         return _PacedWork(work, self, n)
 
     def duration(self, n: int) -> float:
@@ -163,17 +184,17 @@ class PacedLink:
 
 
 class _PacedWork:
-    def __init__(self, work, link: PacedLink, n: int) -> None:
+    def __init__(self, work: dist.Work, link: PacedLink, n: int) -> None:
         self.work, self.link, self.n = work, link, n
 
-    def wait(self, *args, **kwargs):
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
         result = self.work.wait(*args, **kwargs)  # every rank launched it: the table row is complete
         device = self.link.device
         device.busy_until = max(device.busy_until, self.link.end(self.n))  # a stream wait
         return result
 
 
-def make_params(layers: int, scale: int, mesh) -> list[torch.nn.Parameter]:
+def make_params(layers: int, scale: int, mesh: DeviceMesh) -> list[torch.nn.Parameter]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     gen = torch.Generator().manual_seed(0)
@@ -184,11 +205,12 @@ def make_params(layers: int, scale: int, mesh) -> list[torch.nn.Parameter]:
     ]
 
 
-def set_grads(params, step: int) -> None:
+def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
     from torch.distributed.tensor import DTensor
 
     gen = torch.Generator().manual_seed(1000 + step + dist.get_rank())
     for p in params:
+        assert isinstance(p, DTensor)  # (make_params distributes every parameter)
         local = torch.randn(p.to_local().shape, generator=gen)
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
@@ -206,7 +228,15 @@ class Contender:
     link_factor: float = 1.0
 
 
-def rank_main(rank: int, world: int, port: int, contender: Contender, args, table, out: str) -> None:
+def rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    contender: Contender,
+    args: argparse.Namespace,
+    table: torch.Tensor,
+    out: str,
+) -> None:
     package, bucket = contender.package, contender.bucket
     if package is not None:
         sys.path.insert(0, package)
@@ -237,7 +267,9 @@ def rank_main(rank: int, world: int, port: int, contender: Contender, args, tabl
         pipeline.BUCKET_HOST_FLOPS /= args.scale**3
     params = make_params(args.layers, args.scale, mesh)
     opt = DMuonFSDP(params, **options)
-    starts, ends, exchanges = [], [], []
+    starts: list[float] = []
+    ends: list[float] = []
+    exchanges: list[range] = []
     for step in range(args.warmup + args.steps):
         set_grads(params, step)
         dist.barrier()
@@ -256,21 +288,25 @@ def rank_main(rank: int, world: int, port: int, contender: Contender, args, tabl
     dist.all_reduce(total_flops)  # one step's NS flops of every rank: the job's
     steps = ((times[1] - times[0])[args.warmup :] / args.dilation).tolist()
     busy = [sum(link.duration(n) for n in ran) / args.dilation for ran in exchanges[args.warmup :]]
+    plan, stats = opt.plan, opt.last_step_stats
+    assert plan is not None and stats is not None  # (opt has stepped)
     result.update(
         step_s=statistics.median(steps),
         steps_s=steps,
         link_busy_s=statistics.median(busy),
         floor_s=float(total_flops) / world / (args.tflops * 1e12),
-        bound_s=one_owner_bound(opt.plan, args),
-        buckets=len(opt.plan.buckets),
-        buffer_bytes=opt.last_step_stats.buffer_bytes,
+        bound_s=one_owner_bound(plan, args),
+        buckets=len(plan.buckets),
+        buffer_bytes=stats.buffer_bytes,
     )
     if contender.name.endswith("default") and contender.link_factor == 1:  # memory of a deeper model
         deeper = make_params(args.layers * args.deeper, args.scale, mesh)
         deep_opt = DMuonFSDP(deeper, **options)
         set_grads(deeper, 0)
         deep_opt.step()
-        result["deeper_buffer_bytes"] = deep_opt.last_step_stats.buffer_bytes
+        deep_stats = deep_opt.last_step_stats
+        assert deep_stats is not None  # (deep_opt has stepped)
+        result["deeper_buffer_bytes"] = deep_stats.buffer_bytes
     dist.all_to_all_single = link.real
     dist.barrier()
     if rank == 0:
@@ -278,7 +314,7 @@ def rank_main(rank: int, world: int, port: int, contender: Contender, args, tabl
     dist.destroy_process_group()
 
 
-def one_owner_bound(plan, args) -> float:
+def one_owner_bound(plan: Plan, args: argparse.Namespace) -> float:
     """Seconds under which no step with one owner per matrix ends on the emulated hardware: the
     busiest rank's NS, and each matrix's way to its owner (the elements it takes), its NS and its
     way back (bf16 on the wire), at full size."""
@@ -300,7 +336,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, contender: Contender, args) -> dict:
+def run(world: int, contender: Contender, args: argparse.Namespace) -> dict:
     table = torch.zeros(MAX_EXCHANGES, world, 2, dtype=torch.float64).share_memory_()
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         mp.spawn(rank_main, args=(world, free_port(), contender, args, table, out.name), nprocs=world)
@@ -363,10 +399,10 @@ def main() -> None:
     print(f"\nJSON: {path}")
 
 
-def contenders_of(args) -> list[Contender]:
+def contenders_of(args: argparse.Namespace) -> list[Contender]:
     """This checkout's default step, plain cut and one bucket (and both on the fast link), and the
     default and one-bucket steps of ``--before``."""
-    out = []
+    out: list[Contender] = []
     if args.before:
         before = export(args.before)
         out += [
@@ -386,7 +422,7 @@ def contenders_of(args) -> list[Contender]:
     return out
 
 
-def print_table(results: dict, args) -> None:
+def print_table(results: dict, args: argparse.Namespace) -> None:
     print(
         f"## Emulated GPUs: Llama-3-8B-shaped layers / {args.scale} ({args.layers} layers), "
         "bf16 NS and wire, "
@@ -439,17 +475,16 @@ def print_table(results: dict, args) -> None:
                     results.get(f"W={world} {prefix}default fast"),
                     results.get(f"W={world} {prefix}one fast"),
                 )
-                exposed = d["step_s"] - df["step_s"] if df else None
-                cells += (
-                    [
+                if df and of:
+                    exposed = d["step_s"] - df["step_s"]
+                    cells += [
                         f"{exposed * 1e3:.1f}",
                         f"{d['link_busy_s'] * 1e3:.1f}",
                         f"{exposed / d['link_busy_s']:.2f}",
                         f"{df['step_s'] / of['step_s']:.2f}x",
                     ]
-                    if df and of
-                    else ["-"] * 4
-                )
+                else:
+                    cells += ["-"] * 4
             if "deeper_buffer_bytes" in d:
                 kib, deep = d["buffer_bytes"] / 2**10, d["deeper_buffer_bytes"] / 2**10
                 cells += [f"{kib:.0f}", f"{deep:.0f}", f"{deep / kib:.2f}x"]

@@ -6,8 +6,12 @@ only by the benchmarks, to measure what DMuonFSDP saves. Same momentum, NS and u
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import ParamsT
 
 from dmuon_fsdp import newton_schulz
 from dmuon_fsdp._step.state import adjusted_lr
@@ -15,7 +19,14 @@ from dmuon_fsdp.newton_schulz import resolve_coefficients
 
 
 class GatherAllMuon(torch.optim.Optimizer):
-    def __init__(self, params, lr=0.02, momentum=0.95, ns_steps=5, ns_dtype=torch.float32):
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps))
         self.ns_dtype = ns_dtype
         for group in self.param_groups:
@@ -23,7 +34,10 @@ class GatherAllMuon(torch.optim.Optimizer):
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        # (the closure is in torch.optim.Optimizer's signature; this baseline never took one)
+        if closure is not None:
+            raise TypeError("GatherAllMuon.step takes no closure")
         for group in self.param_groups:
             coefficients = resolve_coefficients((3.4445, -4.7750, 2.0315), group["ns_steps"])
             for p in group["params"]:

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp.newton_schulz import default_ns_dtype, standard_segments
 from instruments.plans import newton_schulz_flops
 
+if TYPE_CHECKING:
+    from recipes.model import ModelConfig
+
 
 def sync(device: torch.device) -> None:
     """Wait for the device (a no-op on CPU), so that a timer brackets the work."""
@@ -22,7 +26,7 @@ def sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
+def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
     fn()
     samples = []
     for _ in range(repeats):
@@ -43,7 +47,7 @@ def bmm_chain_seconds(
     x = torch.randn(batch, s, l, dtype=dtype, device=device)
     a = torch.randn(batch, s, s, dtype=dtype, device=device)
 
-    def products():
+    def products() -> None:
         for k in segments:
             torch.bmm(x, x.mT)
             for _ in range(4 * k - 3):
@@ -69,12 +73,12 @@ def bmm_seconds(
         shapes = Counter(
             (min(m.rows, m.cols), max(m.rows, m.cols), segments(m.rows, m.cols)) for m in matrices
         )
-        for (s, l, segments), batch in shapes.items():
-            total += bmm_chain_seconds(batch, s, l, segments, dtype, device)
+        for (s, l, form), batch in shapes.items():
+            total += bmm_chain_seconds(batch, s, l, form, dtype, device)
     return total
 
 
-def ns_throughput_report(cfg, path: Path) -> None:
+def ns_throughput_report(cfg: ModelConfig, path: Path) -> None:
     """One device: TFLOP/s of torch.mm, of our batched NS and of torch.optim.Muon, per model."""
     from recipes.model import Transformer
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv if needed, lint (ruff check, ruff format --check), type-check dmuon_fsdp/,
-# recipes/ and instruments/ (mypy; the settings of both in pyproject.toml), then run the whole
-# test suite in parallel (CPU + gloo).
+# recipes/, instruments/ and benchmarks/ (mypy; its settings in pyproject.toml), then run the
+# whole test suite in parallel (CPU + gloo).
 # Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from typing import Any
 
 from benchmarks.paper.costs import WIRE_BYTES, ns_costs, ns_rate, print_header, print_row, resolve_gpu, spread
 from benchmarks.paper.shapes import MOE_MODELS, Stack, ep_layouts
@@ -92,7 +93,7 @@ def moe_scale(stacks: list[Stack], world: int, ep: int, args: argparse.Namespace
 
 def moe_report(args: argparse.Namespace) -> dict:
     resolve_gpu(args)
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     print(
         f"## MoE at scale: DMuonFSDP, every expert matrix its own, --ep {args.ep} (capped at a model's "
         f"experts), NS {args.ns_algorithms[0]} at {args.ns_efficiency:g} of {args.tflops:g} TFLOP/s, "

@@ -26,6 +26,8 @@ grouped experts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dmuon_fsdp._step.layouts import EMPTY, MatrixLayout, Piece
 from instruments.plans import chunk_row_counts, row_sharded_layout
 
@@ -96,7 +98,10 @@ def mixtral_stacks(layers: int = 32) -> list[Stack]:
 
 
 # name: (its stacks for a number of MoE layers, default MoE layers, dense layers before them)
-MOE_MODELS = {"deepseek-v3": (deepseek_v3_stacks, 58, 3), "mixtral-8x7b": (mixtral_stacks, 32, 0)}
+MOE_MODELS: dict[str, tuple[Callable[[int], list[Stack]], int, int]] = {
+    "deepseek-v3": (deepseek_v3_stacks, 58, 3),
+    "mixtral-8x7b": (mixtral_stacks, 32, 0),
+}
 
 
 def ep_layouts(
@@ -115,7 +120,7 @@ def ep_layouts(
     layouts, holders, is_expert, param_of = [], [], [], []
     for index, ((rows, cols), experts) in enumerate(stacks):
         if not experts:
-            key = (rows, cols)
+            key: tuple[int, ...] = (rows, cols)
             if key not in pieces_of:
                 pieces_of[key] = row_sharded_layout("", rows, cols, chunk_row_counts(rows, world)).pieces
             pieces = pieces_of[key]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from benchmarks.paper.costs import (
     WIRE_BYTES,
@@ -212,7 +213,7 @@ def balance_report(args: argparse.Namespace) -> dict:
 
 def hsdp_report(args: argparse.Namespace) -> dict:
     models = args.models or ["gpt2-124m", "llama3-8b"]
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     header = ["model", "R x S", "scheme", "MiB sent / rank / step: max", "mean", "busiest rank NS GFLOP"]
     print_header(header, left=3)
     for model in models:

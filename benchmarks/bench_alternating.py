@@ -35,6 +35,7 @@ from dmuon_fsdp import DMuonFSDP, StepStats
 from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.state import local_shard
 from instruments.counters import CollectiveCalls
+from recipes.stop import let_threads_run
 
 
 class Experts(nn.Module):
@@ -96,6 +97,7 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
                 times[name].append(elapsed)
                 calls[name].append(dict(counted.calls))
     comm.all_max(torch.zeros(1), None)  # the last collective settles before the group goes
+    let_threads_run()  # gloo's threads drop the tensors of plain collectives first
     dist.destroy_process_group()
     if rank == 0:
         result = {

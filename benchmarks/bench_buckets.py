@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import DMuonFSDP, param_groups
 from recipes.model import Transformer, preset
+from recipes.stop import let_threads_run
 
 MIB = 2**20
 
@@ -72,6 +73,7 @@ def main() -> None:
             rows.append((mib, len(opt.plan.buckets), own, buffers))
             del opt
     finally:
+        let_threads_run()  # gloo's threads drop the tensors of plain collectives first
         dist.destroy_process_group()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

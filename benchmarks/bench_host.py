@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from dmuon_fsdp import DMuonFSDP, param_groups
 from instruments.counters import CollectiveCalls, HostReads, OpCounter
 from recipes.model import Transformer, preset
+from recipes.stop import let_threads_run
 
 # case -> (world size, process group kind, blocks)
 CASES = {
@@ -145,6 +146,7 @@ def run_case(
         result["params"] = sum(1 for _ in model.parameters())
     finally:
         if dist.is_initialized():
+            let_threads_run()  # gloo's threads drop the tensors of plain collectives first
             dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(result))

@@ -47,6 +47,7 @@ from dmuon_fsdp.newton_schulz import (
     segments_flops,
 )
 from recipes.model import PRESETS, Transformer, preset
+from recipes.stop import let_threads_run
 
 
 def preset_shapes(name: str) -> Counter:
@@ -156,6 +157,7 @@ def step_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
             "steps": args.steps,
         }
         Path(args.out).write_text(json.dumps(result, indent=2))
+    let_threads_run()  # gloo's threads drop the tensors of plain collectives first
     dist.destroy_process_group()
 
 

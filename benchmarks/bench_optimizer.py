@@ -39,6 +39,7 @@ from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.run import PHASES
 from dmuon_fsdp.newton_schulz import default_ns_dtype
 from recipes.model import PRESETS, Transformer, preset
+from recipes.stop import let_threads_run
 
 CONTENDERS = [
     "adamw",
@@ -221,6 +222,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             threads_per_rank=args.threads,
         )
         Path(args.out).write_text(json.dumps(results, indent=2))
+    let_threads_run()  # gloo's threads drop the tensors of plain collectives first
     dist.destroy_process_group()
 
 

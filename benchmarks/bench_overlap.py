@@ -39,6 +39,7 @@ from torch.distributed.fsdp import fully_shard
 from dmuon_fsdp import DMuonFSDP, clip_grad_norm_, param_groups
 from dmuon_fsdp._step import comm
 from recipes.model import ModelConfig, Transformer, preset
+from recipes.stop import let_threads_run
 
 # The plain step at its default buckets and at --bucket-mib, the overlap at --bucket-mib; both
 # also clipped every step, which makes the overlap redo every step: clipped with
@@ -168,6 +169,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     if rank == 0:
         report(args, samples, buckets)
     comm.all_max(torch.zeros(1), None)
+    let_threads_run()  # gloo's threads drop the tensors of plain collectives first
     dist.destroy_process_group()
 
 

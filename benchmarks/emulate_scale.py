@@ -68,6 +68,8 @@ import torch.multiprocessing as mp
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from recipes.stop import let_threads_run
+
 if TYPE_CHECKING:  # (the package is imported in each rank, from the folder its contender names)
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -311,6 +313,7 @@ def rank_main(
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(result))
+    let_threads_run()  # gloo's threads drop the tensors of plain collectives first
     dist.destroy_process_group()
 
 

@@ -182,14 +182,13 @@ class Transformer(nn.Module):
         return [cast(Block, block) for block in self.layers]
 
     def max_logits(self) -> list[torch.Tensor]:
-        """Each layer's largest pre-softmax logit per head since ``reset_max_logits``."""
-        seen = [block.attention.max_logits for block in self.blocks()]
-        missing = [i for i, logits in enumerate(seen) if logits is None]
-        if missing:
-            raise RuntimeError(
-                f"layers {missing} recorded no logits: set track_max_logits and run a forward with gradients"
-            )
-        return [logits for logits in seen if logits is not None]
+        """Each layer's largest pre-softmax logit per head since ``reset_max_logits``; an empty
+        tensor for a layer that recorded none, which ``QKClip.clip`` then names, alike on every
+        rank (raising here could leave the other ranks in its collective)."""
+        return [
+            torch.empty(0) if (logits := block.attention.max_logits) is None else logits
+            for block in self.blocks()
+        ]
 
     def reset_max_logits(self) -> None:
         for block in self.blocks():

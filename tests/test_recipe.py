@@ -156,6 +156,18 @@ def test_ns_flags_reach_the_optimizer(tmp_path, cache):
         }
 
 
+def test_max_logits_are_each_layers_and_empty_where_a_layer_recorded_none():
+    model = Transformer(preset("tiny"))
+    first = model.blocks()[0].attention
+    first.track_max_logits = True
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    model(tokens, tokens).backward()
+    seen = model.max_logits()
+    assert [t.shape for t in seen] == [torch.Size([first.n_heads]), torch.Size([0])]
+    model.reset_max_logits()
+    assert all(t.numel() == 0 for t in model.max_logits())
+
+
 def test_gradient_norm_is_returned_before_clipping_and_clips():
     from recipes.build import gradient_norm
 

@@ -151,9 +151,8 @@ def test_ns_flags_reach_the_optimizer(tmp_path, cache):
         (["--ns-dtype", "bfloat16", "--ns-algorithm", "gram"], torch.bfloat16, "gram"),
     ):
         (opt,) = build_optimizers(_args(tmp_path, cache, *extra), model)
-        assert opt.ns_dtype == dtype and {g["ns_algorithm"] for g in opt.param_groups if g["use_muon"]} == {
-            algorithm
-        }
+        forms = {g["ns_algorithm"] for g in opt.param_groups if g["use_muon"]}
+        assert opt.ns_dtype == dtype and forms == {algorithm}
 
 
 def test_max_logits_are_each_layers_and_empty_where_a_layer_recorded_none():

@@ -30,8 +30,9 @@ world size, medians over ``--steps`` timed steps after warm-up, contenders in tu
 - the default step (128 MiB buckets, the planner's ramp), the same cut by ``bucket_bytes``
   alone (``ns_flops_per_byte=0``, "plain cut") and the step with every matrix in one bucket,
   over the NS floor (total NS flops / W / rate, each matrix in the form it runs), over the
-  one-owner bound (``one_owner_bound``: the busiest rank's NS, and each matrix's way to its owner,
-  NS and way back, which no cut or launch order shortens) and against each other;
+  one-owner bound (``instruments.plans.one_owner_bound``: the busiest rank's NS, and each
+  matrix's way to its owner, NS and way back, which no cut or launch order shortens; this
+  checkout's contenders only) and against each other;
 - with ``--fast-link F``, the default and one-bucket steps again on a link F times faster: the
   link's time left exposed is the default step minus the same on the fast link, its busy time
   the sum of every exchange's time on the link (per step); the default over one bucket on the
@@ -72,8 +73,6 @@ from recipes.stop import let_threads_run
 
 if TYPE_CHECKING:  # (the package is imported in each rank, from the folder its contender names)
     from torch.distributed.device_mesh import DeviceMesh
-
-    from dmuon_fsdp import Plan
 
 LLAMA3_8B = (4096, 1024, 14336)  # dim, kv dim, MLP width
 DEFAULT_BUCKET = 128 * 2**20
@@ -292,12 +291,17 @@ def rank_main(
     busy = [sum(link.duration(n) for n in ran) / args.dilation for ran in exchanges[args.warmup :]]
     plan, stats = opt.plan, opt.last_step_stats
     assert plan is not None and stats is not None  # (opt has stepped)
+    if package is None:  # this checkout's plan (instruments import its package)
+        from instruments.plans import one_owner_bound
+
+        # at full size: flops S^3 and bytes S^2 times the shrunk matrices'; every gradient is ready
+        flops_s, element_s = args.scale**3 / (args.tflops * 1e12), 2 * args.scale**2 / (args.link_gbs * 1e9)
+        result["bound_s"] = one_owner_bound(plan, range(len(plan.matrices)), flops_s, element_s)
     result.update(
         step_s=statistics.median(steps),
         steps_s=steps,
         link_busy_s=statistics.median(busy),
         floor_s=float(total_flops) / world / (args.tflops * 1e12),
-        bound_s=one_owner_bound(plan, args),
         buckets=len(plan.buckets),
         buffer_bytes=stats.buffer_bytes,
     )
@@ -315,22 +319,6 @@ def rank_main(
         Path(out).write_text(json.dumps(result))
     let_threads_run()  # gloo's threads drop the tensors of plain collectives first
     dist.destroy_process_group()
-
-
-def one_owner_bound(plan: Plan, args: argparse.Namespace) -> float:
-    """Seconds under which no step with one owner per matrix ends on the emulated hardware: the
-    busiest rank's NS, and each matrix's way to its owner (the elements it takes), its NS and its
-    way back (bf16 on the wire), at full size."""
-    rate, link = args.tflops * 1e12, args.link_gbs * 1e9
-    flops, bytes_ = args.scale**3, 2 * args.scale**2
-    loads = [0] * plan.world_size
-    chain = 0.0
-    for j, m in enumerate(plan.matrices):
-        owner = plan.owners[j]
-        loads[owner] += plan.costs[j]
-        taken = sum(p.numel for r, p in enumerate(m.pieces) if r != owner)
-        chain = max(chain, 2 * taken * bytes_ / link + plan.costs[j] * flops / rate)
-    return max(chain, max(loads) * flops / rate)
 
 
 def free_port() -> int:

@@ -47,6 +47,19 @@ def rank_loads(plan: Plan) -> list[int]:
     return out
 
 
+def one_owner_bound(plan: Plan, last: Sequence[int], flops_s: float, element_s: float) -> float:
+    """Seconds under which no step of ``plan`` with one owner per matrix ends, whatever its buckets
+    and launch order: the busiest rank's NS, and for each matrix of ``last`` (those whose
+    gradients land last) its way to the owner (the elements the owner takes), its NS and its way
+    back. ``flops_s``: seconds per NS flop; ``element_s``: seconds per element on the link."""
+    chain = 0.0
+    for j in last:
+        owner = plan.owners[j]
+        taken = sum(p.numel for r, p in enumerate(plan.matrices[j].pieces) if r != owner)
+        chain = max(chain, 2 * taken * element_s + plan.costs[j] * flops_s)
+    return max(chain, max(rank_loads(plan)) * flops_s)
+
+
 def assignment_lower_bound(costs: Sequence[int], world_size: int) -> float:
     """Least possible busiest-rank cost when whole matrices are assigned to ranks.
 

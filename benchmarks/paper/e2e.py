@@ -27,10 +27,10 @@ DMuonFSDP(overlap_backward=True), per model and world size (default 8 64 256 102
   defaults, leaving little room for DMuonFSDP's exchange in backward beside them (the
   overlap_backward model is optimistic there). Intra-node links (NVLink) are not faster than
   --link-gbs here.
-- One-owner bound (``one_owner_bound``): no schedule that gives each matrix one owner finishes
-  the step sooner in this model, however it cuts or launches: every matrix of the first layer
-  (its gradient lands last) goes to its owner, through NS and back after backward, and every
-  rank's NS runs after backward; element-wise work follows.
+- One-owner bound (``instruments.plans.one_owner_bound``): no schedule that gives each matrix
+  one owner finishes the step sooner in this model, however it cuts or launches: every matrix
+  of the first layer (its gradient lands last) goes to its owner, through NS and back after
+  backward, and every rank's NS runs after backward; element-wise work follows.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from benchmarks.paper.costs import (
 )
 from benchmarks.paper.shapes import LLAMA_CONFIGS, MODELS
 from dmuon_fsdp._step.planner import Plan
-from instruments.plans import rank_loads
+from instruments.plans import one_owner_bound
 
 
 def bucket_costs(plan: Plan, args: argparse.Namespace) -> tuple[list[float], list[dict[int, float]]]:
@@ -140,18 +140,6 @@ def step_timeline(
     return ends[link], path
 
 
-def one_owner_bound(plan: Plan, per_layer: int, elementwise: float, args: argparse.Namespace) -> float:
-    """Seconds after backward under which no step with one owner per matrix ends (module
-    docstring): the larger of the busiest rank's NS and, over the first layer's matrices, the
-    way to the owner (the elements it takes), its NS and the way back, plus ``elementwise``."""
-    rate, link = ns_rate(args), link_rate(args)
-    chain = 0.0
-    for j in range(per_layer):
-        taken = sum(p.numel for r, p in enumerate(plan.matrices[j].pieces) if r != plan.owners[j])
-        chain = max(chain, 2 * taken * WIRE_BYTES / link + plan.costs[j] / rate)
-    return max(chain, max(rank_loads(plan)) / rate) + elementwise
-
-
 def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
     """Predicted forward + backward + optimizer step (ms) of AdamW and of DMuonFSDP, plain and
     with overlap_backward, for ``model``."""
@@ -201,7 +189,9 @@ def end_to_end(model: str, world: int, args: argparse.Namespace) -> dict:
             "over_adamw": (forward + step_end) / adamw - 1,
         }
     row["first_bucket_lands_ms"] = started[0] * 1e3 if started else None
-    row["one_owner_bound_ms"] = one_owner_bound(plan, per_layer, elementwise, args) * 1e3
+    # (module docstring; the first layer's matrices come first in the shape lists)
+    bound = one_owner_bound(plan, range(per_layer), 1 / ns_rate(args), WIRE_BYTES / link_rate(args))
+    row["one_owner_bound_ms"] = (bound + elementwise) * 1e3
     return row
 
 

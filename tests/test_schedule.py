@@ -68,7 +68,7 @@ def test_every_segment_matches_the_peer_that_reads_it(kind, world):
         for a in range(world):
             for b in range(world):
                 bucket_a, bucket_b = schedules[a].buckets[k], schedules[b].buckets[k]
-                for wire in ("to_owners", "from_owners"):
+                for wire in ("to_owners", "from_owners", "relay"):
                     send, receive = getattr(bucket_a, wire), getattr(bucket_b, wire)
                     assert (send is None) == (receive is None), "every rank launches the same collectives"
                     if send is None:
@@ -110,7 +110,13 @@ def test_ddp_sends_nothing_forward_and_a_flags_only_first_exchange():
     for r in range(world):
         (bucket,) = rank_schedule(plan, r, range(world), FLAG_ELEMENTS).buckets
         assert bucket.to_owners.send_counts == [FLAG_ELEMENTS] * world, "only the check flags travel forward"
-        assert len(bucket.own_pieces) == 1 and sum(bucket.from_owners.send_counts) == 2 * 6 * 4
+        assert len(bucket.own_pieces) == 1
+        # Every replica is one rank: the owner returns each other rank its part, and the parts
+        # are relayed (here each rank's part is the matrix it owns: the relay is all of the way
+        # back), so that each rank receives the two matrices it does not own once, whole, and
+        # sends as much.
+        back = [w for w in (bucket.from_owners, bucket.relay) if w is not None]
+        assert sum(sum(w.receive_counts) for w in back) == sum(sum(w.send_counts) for w in back) == 2 * 6 * 4
 
 
 def test_a_plan_without_matrices_still_carries_the_flags():

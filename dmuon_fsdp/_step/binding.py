@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.buffers import (
     BACK,
+    RELAY,
     SLOTS,
     TO,
     WORK,
@@ -87,7 +89,7 @@ def bind(
         "bytes_sent": schedule.elements(sent=True) * size,
         "bytes_received": schedule.elements(sent=False) * size,
         "flag_bytes": flags.send.numel() * size if flags is not None else 0,
-        "collectives": sum(e is not None for b in buckets for e in (b.to_owners, b.from_owners)),
+        "collectives": sum(e is not None for b in buckets for e in (b.to_owners, b.from_owners, b.relay)),
     }
     return StepProgram(
         key=key,
@@ -252,7 +254,9 @@ class _Binder:
         factors = self.carry_rows(
             bucket, to_owners, from_owners, owned_rows, back, spread, assemble, collect, writes
         )
-        for name, r in ((TO, to), (BACK, back)):
+        relay = regions[RELAY, k % SLOTS]
+        relayed, pack, relay_updates, relay_writes = self.relay(bucket, returned, factors, relay)
+        for name, r in ((TO, to), (BACK, back), (RELAY, relay)):
             self.needed[name, k % SLOTS] = max(self.needed[name, k % SLOTS], r.used)
         return BucketProgram(
             reads,
@@ -266,7 +270,52 @@ class _Binder:
             from_owners.exchange,
             self.updates(returned, factors),
             writes,
+            pack,
+            relayed,
+            relay_updates,
+            relay_writes,
         )
+
+    def relay(
+        self,
+        bucket: BucketSchedule,
+        returned: Sequence[tuple[Transfer, Tensor]],
+        factors: dict[Transfer, Tensor],
+        region: Region,
+    ) -> tuple[comm.Exchange | None, Copies, tuple[Updates, ...], Copies]:
+        """The bucket's relay ([Note: the relay] in ``dmuon_fsdp._step.relay``): the parts this
+        rank relays, from what it holds of each result once the way back is applied
+        (``returned``: a transfer and its view per matrix; a row variant's new state, already
+        in place, and ``factors``), into the send buffer (``pack``); and what arrives, applied
+        (with its rows' new state into place and its factors into a buffer of ``region``)."""
+        comm_dtype = self.settings.comm_dtype
+        wire = wired(bucket.relay, comm_dtype, region, self.settings.exchange_group.process_group)
+        pack = Copies([], [])
+        held = {t.matrix: (t, view) for t, view in returned}
+        for slot in wire.sent:
+            t = slot.transfer
+            source, view = held[t.matrix]
+            first = t.piece.row - source.piece.row
+            pack.add(slot.piece, view[first : first + t.piece.rows])
+            if slot.numbers is not None:
+                state, factors_out = _state_and_factors(slot.numbers)
+                pack.add(state, as_wire(self.row_state(t), comm_dtype))
+                pack.add(factors_out, as_wire(factors[source][first : first + t.piece.rows], comm_dtype))
+        writes = Copies([], [])
+        relayed: dict[Transfer, Tensor] = {}
+        arriving = [slot for slot in wire.received if slot.numbers is not None]
+        flat = region.take(sum(slot.transfer.piece.rows for slot in arriving), torch.float32)
+        offset = 0
+        for slot in arriving:
+            t = slot.transfer
+            relayed[t] = flat[offset : offset + t.piece.rows]
+            assert slot.numbers is not None  # (as filtered)
+            state, factors_in = _state_and_factors(slot.numbers)
+            writes.add(as_wire(self.row_state(t), comm_dtype), state)
+            writes.add(as_wire(relayed[t], comm_dtype), factors_in)
+            offset += t.piece.rows
+        updates = self.updates([(slot.transfer, slot.piece) for slot in wire.received], relayed)
+        return wire.exchange, pack, updates, writes
 
     def way_back(
         self, k: int, bucket: BucketSchedule, back: Region, region: Callable[[Transfer], Tensor]

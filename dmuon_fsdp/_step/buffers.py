@@ -5,20 +5,22 @@ is taken from. No collectives (``dmuon_fsdp._step.comm`` runs them).
 
 [Note: slots] The buffers are a few arenas that every bucket of every kept program takes its
 views from. A step runs its buckets one after another, and at most ``SLOTS`` of them hold
-buffers at once: bucket k takes its views from slot ``k % SLOTS``. A slot has two arenas, one
+buffers at once: bucket k takes its views from slot ``k % SLOTS``. A slot has three arenas: one
 for the bucket's way to its owners (send and receive buffers, the stacks of owned matrices,
-staging and scratch: alive from making its NS inputs to collecting its results) and one for
-its way back (send and receive buffers, numbers bound with the results, own results kept for the
-update: alive from its Newton-Schulz to its update). With two slots, bucket k+1 travels while bucket k's NS
-runs, and bucket k+2 takes bucket k's arenas once k is through with them; the bucket loop
-(``dmuon_fsdp._step.run``) orders its work so. One more arena holds the NS workspace, used by one
-batch at a time. So the buffers are a small multiple of the largest bucket (``bucket_bytes``),
-whatever the depth of the model, and the programs kept for other gradient sets share them
-(one program runs at a time). A program is bound into the pool as it is (``Region.take`` hands
-out views in order); if some arena was too small, binding asked for meta tensors past its end,
-and the pool grows to what was asked, with headroom (``Pool.grow``), before binding again.
-Growing replaces arenas: the kept programs let go of them first, so that each is freed before
-its successor is made, and bind anew when next used (``Pool.generation`` tells them apart).
+staging and scratch: alive from making its NS inputs to collecting its results), one for its way
+back (send and receive buffers, numbers bound with the results, own results kept for the update:
+alive from its Newton-Schulz to its update) and one for its relay across replicas (send and
+receive buffers and the factors relayed: alive from its update to the relay's). With two slots,
+bucket k+1 travels while bucket k's NS runs, and bucket k+2 takes bucket k's arenas once k is
+through with them; the bucket loop (``dmuon_fsdp._step.run``) orders its work so. One more arena
+holds the NS workspace, used by one batch at a time. So the buffers are a small multiple of the
+largest bucket (``bucket_bytes``), whatever the depth of the model, and the programs kept for
+other gradient sets share them (one program runs at a time). A program is bound into the pool as
+it is (``Region.take`` hands out views in order); if some arena was too small, binding asked for
+meta tensors past its end, and the pool grows to what was asked, with headroom (``Pool.grow``),
+before binding again. Growing replaces arenas: the kept programs let go of them first, so that
+each is freed before its successor is made, and bind anew when next used (``Pool.generation``
+tells them apart).
 """
 
 from __future__ import annotations
@@ -111,11 +113,11 @@ SLOTS = 2  # buckets whose buffers are alive at once (see [Note: slots])
 ALIGN = 64  # bytes: every view starts on such a boundary (any dtype's, and vector loads')
 
 
-TO, BACK, WORK = "to owners", "back", "workspace"
+TO, BACK, RELAY, WORK = "to owners", "back", "relay", "workspace"
 
 
 def arena_names() -> list[tuple[str, int]]:
-    return [(way, s) for s in range(SLOTS) for way in (TO, BACK)] + [(WORK, 0)]
+    return [(way, s) for s in range(SLOTS) for way in (TO, BACK, RELAY)] + [(WORK, 0)]
 
 
 class Region:

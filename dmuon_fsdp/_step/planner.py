@@ -12,11 +12,12 @@ from __future__ import annotations
 import heapq
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from dmuon_fsdp._step.layouts import MatrixLayout
 from dmuon_fsdp._step.pipeline import Load, cut_flops
+from dmuon_fsdp._step.relay import Cuts, class_cuts, twins
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,12 @@ class Plan:
     j's Newton-Schulz flops and ``param_of[j]`` the index of the parameter it belongs to (a
     parameter may hold several matrices).
 
-    Forward exchange (gather): each sender of matrix j sends its piece to j's owner. Reverse
-    exchange (scatter): the owner sends every rank that holds a piece of j that piece of the
-    result, replicas included. Ranks are numbered by exchange-mesh index; how the pieces sit in
-    the buffers of each all-to-all is ``dmuon_fsdp._step.schedule``'s business.
+    Exchange to the owners (gather): each sender of matrix j sends its piece to j's owner. Way
+    back: the owner returns every holder its piece of the result (``returned``) but, where the
+    matrix has twins in other replicas (``dmuon_fsdp._step.relay``), only their parts to the
+    holders outside its own replica, which then receive the rest from their twins (the relay:
+    ``relayed``, ``relays_to``). Ranks are numbered by exchange-mesh index; how the pieces sit
+    in the buffers of each all-to-all is ``dmuon_fsdp._step.schedule``'s business.
     """
 
     matrices: tuple[MatrixLayout, ...]
@@ -44,14 +47,63 @@ class Plan:
     buckets: tuple[Bucket, ...]
     world_size: int
     param_of: tuple[int, ...]
+    _cuts: dict[tuple[int, tuple[int, ...]], Cuts] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
     @cached_property
     def senders(self) -> tuple[frozenset[int], ...]:
         """Ranks sending their piece of each matrix to its owner."""
         return tuple(frozenset(m.senders(o)) for m, o in zip(self.matrices, self.owners, strict=True))
 
+    @cached_property
+    def bucket_of(self) -> tuple[int, ...]:
+        """The bucket of each matrix."""
+        out = [0] * len(self.matrices)
+        for k, bucket in enumerate(self.buckets):
+            for j in bucket.matrices:
+                out[j] = k
+        return tuple(out)
+
     def owned_by(self, bucket: Bucket, rank: int) -> list[int]:
         return [j for j in bucket.matrices if self.owners[j] == rank]
+
+    def cuts(self, k: int, ranks: tuple[int, ...]) -> Cuts:
+        """The parts of the class of twins ``ranks`` in bucket ``k`` (``relay.Cuts``)."""
+        key = (k, ranks)
+        if key not in self._cuts:
+            self._cuts[key] = class_cuts(self.matrices, self.buckets[k].matrices, ranks, len(ranks))
+        return self._cuts[key]
+
+    def relayed(self, j: int, rank: int) -> tuple[int, int]:
+        """Rows [first, stop) of ``rank``'s piece of matrix j that it relays to its twins (its
+        part); (0, 0) when j has no twins or ``rank`` holds none of it."""
+        t = twins(self.matrices[j])
+        if t is None or rank not in t.of:
+            return 0, 0
+        c, position = t.of[rank]
+        return self.cuts(self.bucket_of[j], t.classes[c]).rows_of(j, position)
+
+    def in_owners_replica(self, j: int, rank: int) -> bool:
+        m = self.matrices[j]
+        return m.replica(rank) == m.replica(self.owners[j])
+
+    def returned(self, j: int, rank: int) -> tuple[int, int]:
+        """Rows [first, stop) of ``rank``'s piece of matrix j that j's owner returns to it: all
+        of them in the owner's replica and for matrices without twins, else its part."""
+        rows = self.matrices[j].pieces[rank].rows
+        if twins(self.matrices[j]) is None or self.in_owners_replica(j, rank):
+            return 0, rows
+        return self.relayed(j, rank)
+
+    def relays_to(self, j: int, rank: int) -> tuple[int, ...]:
+        """The twins ``rank`` relays its part of matrix j to: those outside the owner's replica."""
+        t = twins(self.matrices[j])
+        if t is None or rank not in t.of:
+            return ()
+        owner_replica = self.matrices[j].replica(self.owners[j])
+        m = self.matrices[j]
+        return tuple(r for r in t.classes[t.of[rank][0]] if r != rank and m.replica(r) != owner_replica)
 
     def signature(self) -> int:
         """A checksum of everything ranks must agree on to exchange, the matrices' names included
@@ -62,21 +114,29 @@ class Plan:
         return zlib.crc32(repr((shapes, self.costs, self.owners, buckets)).encode())
 
     def elements_moved(self, rank: int) -> int:
-        """Elements ``rank`` sends to other ranks in one step, both exchanges together: its
-        piece of each matrix it sends to another owner, and every other holder's piece of each
-        matrix it owns.
+        """Elements ``rank`` sends to other ranks in one step, all three exchanges together: its
+        piece of each matrix it sends to another owner, what it returns of each matrix it owns,
+        and the part of each piece it relays to its twins.
 
-        Each piece crosses the wire at most once each way: one copy of every matrix reaches its
-        owner, and each rank receives exactly the pieces it holds; no schedule that runs each
-        matrix's NS on one rank moves less. A cost model: the wire format itself (buffer order,
-        split sizes) is ``dmuon_fsdp._step.schedule``'s, which checks its totals against this.
+        Each piece crosses the wire at most once each way between the owner's replica and the
+        owner, and each rank receives exactly the rows it holds, once: no schedule that runs
+        each matrix's NS on one rank moves less across replicas. A cost model: the wire format
+        itself (buffer order, split sizes) is ``dmuon_fsdp._step.schedule``'s, which checks its
+        totals against this.
         """
         total = 0
         for j, (m, owner) in enumerate(zip(self.matrices, self.owners, strict=True)):
+            piece = m.pieces[rank]
             if owner != rank and rank in self.senders[j]:
-                total += m.pieces[rank].numel
+                total += piece.numel
             if owner == rank:
-                total += sum(piece.numel for r, piece in enumerate(m.pieces) if r != rank)
+                for r, other in enumerate(m.pieces):
+                    if r != rank and other.numel:
+                        first, stop = self.returned(j, r)
+                        total += (stop - first) * other.cols
+            if piece.numel:
+                first, stop = self.relayed(j, rank)
+                total += (stop - first) * piece.cols * len(self.relays_to(j, rank))
         return total
 
 
@@ -165,19 +225,31 @@ def build_plan(
 def bucket_shares(m: MatrixLayout, owner: int) -> list[tuple[int, int, int]]:
     """What matrix ``m``, owned by ``owner``, adds to the ranks' shares of a bucket, as (one of
     ``SHARES``, rank, elements): the whole matrix in its owner's stack, each sender's piece in
-    the exchange to the owner (sent by it, taken by the owner), and every other holder's piece
-    in the exchange back (sent by the owner, received by the holder)."""
+    the exchange to the owner (sent by it, taken by the owner), what the owner returns to each
+    other holder (``Plan.returned``: its piece, or its part outside the owner's replica), and,
+    for a matrix with twins, about (R - 1) / R of each holder's piece relayed and received by
+    relay (the parts' exact rows depend on the bucket: ``Plan.relayed``)."""
     replicas = m.replicas or (0,) * len(m.pieces)
+    copies = twins(m)
+    parts = copies.count if copies is not None else 1
     mine, returned, taken = replicas[owner], 0, 0
     out = [(HELD, owner, m.numel)]
     for r, piece in enumerate(m.pieces):
         n = piece.rows * piece.cols  # (``numel``, inline: the planner's hottest loop at scale)
-        if r != owner and n:
-            if replicas[r] == mine:
+        if not n:
+            continue
+        home = replicas[r] == mine
+        if r != owner:
+            if home:
                 out.append((SENT, r, n))
                 taken += n
-            out.append((RECEIVED, r, n))
-            returned += n
+            back = n if home else -(-n // parts)
+            out.append((RECEIVED, r, back))
+            returned += back
+        if copies is not None:
+            out.append((RELAYED, r, n - n // parts))
+            if not home:
+                out.append((RELAYED_IN, r, n - n // parts))
     if taken:
         out.append((TAKEN, owner, taken))
     if returned:
@@ -185,10 +257,21 @@ def bucket_shares(m: MatrixLayout, owner: int) -> list[tuple[int, int, int]]:
     return out
 
 
-HELD, SENT, TAKEN, RETURNED, RECEIVED = range(5)
+HELD, SENT, TAKEN, RETURNED, RECEIVED, RELAYED, RELAYED_IN = range(7)
 
 
-SHARES = ("held", "sent to owners", "taken by owners", "sent back", "received back")  # a rank's, per bucket
+SHARES = (  # a rank's, per bucket
+    "held",
+    "sent to owners",
+    "taken by owners",
+    "sent back",
+    "received back",
+    "relayed",
+    "received by relay",
+)
+
+OWNER_KINDS = (HELD, TAKEN, RETURNED)  # the owner's alone
+SPREAD_KINDS = (SENT, RECEIVED, RELAYED, RELAYED_IN)  # every holder's
 
 Shares = Sequence[Sequence[tuple[int, int, int]]]  # ``bucket_shares`` of every matrix
 
@@ -213,33 +296,30 @@ class Cutter:
         self, shares: Shares, costs: Sequence[int], owners: Sequence[int], limit: int, world_size: int
     ) -> None:
         self.costs, self.owners, self.limit, self.world_size = costs, owners, limit, world_size
-        # Per matrix: its owner's shares (held, taken, returned: kinds of one rank each) and the
-        # pieces other ranks send and receive back, with the largest of each.
+        # Per matrix: its owner's shares (held, taken, returned: kinds of one rank each) and, per
+        # kind of ``SPREAD_KINDS``, the pieces other ranks move, with the largest.
         self.at_owner: list[list[int]] = []
-        self.spread: list[tuple[list[tuple[int, int]], list[tuple[int, int]], int, int]] = []
+        self.spread: list[list[tuple[list[tuple[int, int]], int]]] = []
         for added in shares:
             at_owner = [0] * len(SHARES)
-            sent, received = [], []
+            moved: dict[int, list[tuple[int, int]]] = {w: [] for w in SPREAD_KINDS}
             for w, r, n in added:
-                if w == SENT:
-                    sent.append((r, n))
-                elif w == RECEIVED:
-                    received.append((r, n))
+                if w in moved:
+                    moved[w].append((r, n))
                 else:
                     at_owner[w] += n
-            largest = (max((n for _, n in sent), default=0), max((n for _, n in received), default=0))
             self.at_owner.append(at_owner)
-            self.spread.append((sent, received, *largest))
+            self.spread.append([(moved[w], max((n for _, n in moved[w]), default=0)) for w in SPREAD_KINDS])
 
     def cut(self, order: Sequence[int]) -> Cut:
         """Cut ``order`` into consecutive buckets in which no rank holds whole matrices of more
         than ``limit`` elements (its stacks; what it takes is part of them), nor sends or receives
-        more than ``limit`` in either exchange; a bucket holding a matrix larger than ``limit``
+        more than ``limit`` in any exchange; a bucket holding a matrix larger than ``limit``
         allows that matrix's size instead (so that such matrices still spread over the owners:
         one each). A matrix joins the current bucket unless it would take some rank's share, not
         empty yet, past the bucket's allowance; then the bucket closes and the matrix starts the
         next one."""
-        world, owner_kinds = self.world_size, (HELD, TAKEN, RETURNED)
+        world = self.world_size
         buckets: list[Bucket] = []
         loads: list[Load] = []
         current: list[int] = []
@@ -254,13 +334,14 @@ class Cutter:
 
         allowance = self.limit
         for j in order:
-            owner, at_owner = self.owners[j], self.at_owner[j]
-            sent, received, largest_sent, largest_received = self.spread[j]
+            owner, at_owner, spread = self.owners[j], self.at_owner[j], self.spread[j]
             grown = max(allowance, at_owner[HELD])  # (a matrix's own share is its size)
             if not current or (
-                any(totals[w][owner] and totals[w][owner] + at_owner[w] > grown for w in owner_kinds)
-                or over(totals[SENT], sent, largest_sent, peaks[SENT], grown)
-                or over(totals[RECEIVED], received, largest_received, peaks[RECEIVED], grown)
+                any(totals[w][owner] and totals[w][owner] + at_owner[w] > grown for w in OWNER_KINDS)
+                or any(
+                    over(totals[w], pieces, largest, peaks[w], grown)
+                    for w, (pieces, largest) in zip(SPREAD_KINDS, spread, strict=True)
+                )
             ):
                 if current:
                     buckets.append(Bucket(tuple(current)))
@@ -271,10 +352,10 @@ class Cutter:
             current.append(j)
             allowance = grown
             ns[owner] = ns.get(owner, 0) + self.costs[j]
-            for w in owner_kinds:
+            for w in OWNER_KINDS:
                 totals[w][owner] += at_owner[w]
                 peaks[w] = max(peaks[w], totals[w][owner])
-            for w, pieces in ((SENT, sent), (RECEIVED, received)):
+            for w, (pieces, _) in zip(SPREAD_KINDS, spread, strict=True):
                 total, peak = totals[w], peaks[w]
                 for r, n in pieces:
                     total[r] += n
@@ -289,7 +370,12 @@ class Cutter:
 
 def _load(peaks: Sequence[int], ns: dict[int, int]) -> Load:
     """A bucket's ``pipeline.Load`` from the peaks of its shares and its owners' NS flops."""
-    return Load(max(peaks[SENT], peaks[TAKEN]), max(peaks[RETURNED], peaks[RECEIVED]), ns)
+    return Load(
+        max(peaks[SENT], peaks[TAKEN]),
+        max(peaks[RETURNED], peaks[RECEIVED]),
+        ns,
+        max(peaks[RELAYED], peaks[RELAYED_IN]),
+    )
 
 
 def ramp(

@@ -124,7 +124,10 @@ class BucketProgram:
     """One bucket bound to its slot's buffers (see ``dmuon_fsdp._step.buffers``), in the order a step
     runs it: ``stage`` makes its NS inputs, ``to_owners`` carries them, ``assemble`` stacks what
     arrived, ``batches`` orthogonalize (then ``after_ns`` runs), ``collect`` fills the way
-    back, ``from_owners`` returns the results, ``updates`` and ``writes`` apply them."""
+    back, ``from_owners`` returns the results, ``writes`` and ``updates`` apply them; then
+    ``pack`` fills the relay to the twins in other replicas with the parts this rank relays,
+    ``relay`` carries them and ``relay_writes`` and ``relay_updates`` apply what it brought
+    ([Note: the relay] in ``dmuon_fsdp._step.relay``)."""
 
     reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
     needs: tuple[int, ...]  # those of every parameter with a matrix in it, on any rank
@@ -137,6 +140,10 @@ class BucketProgram:
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
     writes: Copies  # numbers returned with the results into place (after the verdict)
+    pack: Copies  # the parts relayed, with their rows' numbers, into the relay's send buffer
+    relay: comm.Exchange | None
+    relay_updates: tuple[Updates, ...]
+    relay_writes: Copies  # numbers relayed with the parts into place
 
 
 @dataclass(frozen=True)

@@ -13,20 +13,24 @@ phases (the names ``StepStats`` and a profiler trace use):
   torch's functional AdamW;
 - per bucket, ``assemble`` (received pieces into (B, s, l) stacks), ``newton_schulz`` (in place
   per stack) and ``return`` (results into the return buffer, the exchange back launched);
-- ``apply``: p -= lr * scale * O, one foreach add per bucket and step size.
+- ``apply``: p -= lr * scale * O, one foreach add per bucket and step size, for what came back
+  from the owners and what came by relay (the parts relayed are packed and launched there).
 
 [Note: the bucket loop] Every step, plain or begun in backward, runs ``StepRun.run``: for each
 bucket k in order, launch the exchanges to the owners through bucket k + 1 (with ``overlap``;
 else k), and at least through the carrier of the flags; wait for bucket k's pieces; at the
-carrier, read the verdict and commit weight decay and AdamW; apply bucket k - 2 (its way back
-shares bucket k's slot, see [Note: slots]); assemble, orthogonalize and launch the way back.
-Bucket k + 2 takes bucket k's way to the owners only after bucket k's results were collected,
-and bucket k's way back is applied before bucket k + 2 is orthogonalized; so ``SLOTS`` sets of
-buffers serve every bucket. The carrier is bucket 0, or for steps begun in backward the first
-bucket launched at ``step`` (``RankSchedule.carrier``): gradients' hooks launch the buckets
-before it, which the loop then finds launched. Exchanges are issued in the same order on every
-rank: to the owners 0, 1, back 0, to 2, back 1, ... A steady-state step dispatches a fixed
-number of ops per param group, bucket and NS batch, whatever the number of parameters or ranks.
+carrier, read the verdict and commit weight decay and AdamW; apply bucket k - 3's relay (its
+buffers are bucket k - 1's) and bucket k - 2's way back (it shares bucket k's slot, see
+[Note: slots]), launching bucket k - 2's relay there; assemble, orthogonalize and launch the way
+back. Bucket k + 2 takes bucket k's way to the owners only after bucket k's results were
+collected, and bucket k's way back is applied before bucket k + 2 is orthogonalized; so
+``SLOTS`` sets of buffers serve every bucket. The carrier is bucket 0, or for steps begun in
+backward the first bucket launched at ``step`` (``RankSchedule.carrier``): gradients' hooks
+launch the buckets before it, which the loop then finds launched. Exchanges are issued in the
+same order on every rank: to the owners 0, 1, back 0, to 2, back 1, to 3, relay 0, back 2, ...
+(a relay only where some bucket's matrices have twins in other replicas: [Note: the relay] in
+``dmuon_fsdp._step.relay``). A steady-state step dispatches a fixed number of ops per param
+group, bucket and NS batch, whatever the number of parameters or ranks.
 """
 
 from __future__ import annotations
@@ -61,9 +65,12 @@ class StepRun:
     program: StepProgram
     stats: StepStats
     overlap: bool = True  # launch bucket k + 1's exchange before bucket k's NS (the option)
-    launched: int = 0
+    launched: int = 0  # buckets whose exchange to the owners is launched
+    applied: int = 0  # buckets whose way back is applied (and relay launched)
+    relays_applied: int = 0
     to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
     from_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
+    relays: dict[int, comm.Handle | None] = field(default_factory=dict)
 
     @classmethod
     def of(cls, program: StepProgram, options: Options) -> StepRun:
@@ -109,7 +116,6 @@ class StepRun:
         made = None if redo else local  # a rank that will ask for a redo makes nothing
         flags = partial(program.write_flags, key, hyper, tensor_options(groups), local, options.nonfinite)
         indicator, verdict = None, Verdict.GO
-        applied = 0  # buckets whose results were applied
         for k in range(n):
             while self.launched <= self.ahead(k):
                 with stats.phase("momentum"):
@@ -133,12 +139,15 @@ class StepRun:
                 assert local is not None  # else the flags (or this rank's findings) say INVALID
                 program.decay(steps, stats)
                 program.adamw_step(local, groups, stats)
-            if k >= carrier:  # bucket k - 2's way back is bucket k's: applied first
-                applied = self.apply_through(k - SLOTS, applied, steps)
+            if k >= carrier:  # bucket k - 2's way back is bucket k's, its relay bucket k - 1's
+                self.relay_through(k - SLOTS - 1, steps)
+                self.back_through(k - SLOTS, steps)
             self.finish(k, discarded=made is None)
             if not self.overlap and k >= carrier:
-                applied = self.apply_through(k, applied, steps)
-        self.apply_through(n - 1, applied, steps)
+                self.back_through(k, steps)
+                self.relay_through(k, steps)
+        self.back_through(n - 1, steps)
+        self.relay_through(n - 1, steps)
         assert local is not None  # the carrier (one of the buckets) had a GO verdict
         program.commit_momentum(local, steps, stats)
         stats.count(**program.counts)
@@ -166,18 +175,38 @@ class StepRun:
             exchange = bucket.from_owners
             self.from_owners[k] = comm.launch(exchange) if exchange is not None else None
 
-    def apply_through(self, last: int, applied: int, steps: Sequence[MuonStep | None]) -> int:
-        """Wait for the way back of buckets ``applied`` .. ``last`` and apply them; returns how
-        many buckets are applied now."""
-        for k in range(applied, last + 1):
+    def back_through(self, last: int, steps: Sequence[MuonStep | None] | None) -> None:
+        """Wait for the way back of the buckets not yet applied through ``last``, start each one's
+        relay across replicas (from the parts it holds now) and apply what came back. ``steps``
+        None: the step is discarded (only the exchanges run)."""
+        for k in range(self.applied, last + 1):
+            self.relay_through(k - SLOTS, steps)  # bucket k's relay takes bucket k - 2's buffers
             bucket, stats = self.program.buckets[k], self.stats
             with stats.phase("wait"):
                 comm.wait(self.from_owners.pop(k))
             with stats.phase("apply"):
-                bucket.writes.run()
-                for u in bucket.updates:
-                    u.apply(steps)
-        return max(applied, last + 1)
+                if steps is not None:
+                    bucket.writes.run()
+                    bucket.pack.run()
+                self.relays[k] = comm.launch(bucket.relay) if bucket.relay is not None else None
+                if steps is not None:
+                    for u in bucket.updates:
+                        u.apply(steps)
+            self.applied = k + 1
+
+    def relay_through(self, last: int, steps: Sequence[MuonStep | None] | None) -> None:
+        """Wait for the relays of the buckets through ``last`` that were started and apply them
+        (``steps`` None: discarded)."""
+        for k in range(self.relays_applied, min(last + 1, self.applied)):
+            bucket, stats = self.program.buckets[k], self.stats
+            with stats.phase("wait"):
+                comm.wait(self.relays.pop(k))
+            if steps is not None:
+                with stats.phase("apply"):
+                    bucket.relay_writes.run()
+                    for u in bucket.relay_updates:
+                        u.apply(steps)
+            self.relays_applied = k + 1
 
     def abandon(self, verdict: Verdict) -> Verdict:
         """A step that does not go on: every exchange in flight waited for, nothing committed."""
@@ -188,20 +217,27 @@ class StepRun:
 
     def settle(self) -> None:
         """Wait for every exchange in flight."""
-        for handles in (self.to_owners, self.from_owners):
+        for handles in (self.to_owners, self.from_owners, self.relays):
             for handle in handles.values():
                 comm.wait(handle)
             handles.clear()
 
     def discard(self) -> None:
         """Bring a step that will not be completed to where every rank's is, whatever was started:
-        every exchange launched in the loop's order and waited for; nothing made or committed."""
-        for k in range(len(self.program.buckets)):
+        every exchange launched in the loop's order (``run``'s, the carrier's verdict aside) and
+        waited for; nothing made or committed."""
+        n, carrier = len(self.program.buckets), self.program.carrier
+        for k in range(n):
             while self.launched <= self.ahead(k):  # as ``run`` launches them
                 self.start(self.launched, None)
+            if k >= carrier:
+                self.relay_through(k - SLOTS - 1, None)
+                self.back_through(k - SLOTS, None)
             self.finish(k, discarded=True)
-            if k >= SLOTS:
-                comm.wait(self.from_owners.pop(k - SLOTS))
+            if not self.overlap and k >= carrier:
+                self.back_through(k, None)
+                self.relay_through(k, None)
+        self.back_through(n - 1, None)
         self.settle()
 
 

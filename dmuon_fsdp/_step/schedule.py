@@ -4,8 +4,11 @@ lays them into buffers).
 
 The wire format (``rank_schedule``; the one place it is worked out): per bucket, the
 exchange *to owners* brings each owner one copy of every piece of the matrices it owns (from
-the owner's replica), and the exchange *from owners* brings every holder, replicas included, its
-piece of each orthogonalized matrix. Each is one ``all_to_all_single`` whose buffer holds one
+the owner's replica), the exchange *from owners* brings every holder its piece of each
+orthogonalized matrix (``Plan.returned``: outside the owner's replica, of a matrix with twins,
+only its part), and the *relay* brings each such holder the rest of its piece from its twins
+in the other replicas ([Note: the relay] in ``dmuon_fsdp._step.relay``). Each is one
+``all_to_all_single`` whose buffer holds one
 segment per peer in process-group order; a segment is ``flag_elements`` check elements (in the
 exchange that carries them only, own segment included; see ``dmuon_fsdp._step.flags``) followed by
 the pieces in bucket order. A piece of a matrix whose rows carry numbers of their own (a row
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 from dmuon_fsdp._step.layouts import Piece
 from dmuon_fsdp._step.planner import Bucket, Plan
+from dmuon_fsdp._step.relay import sub_piece, twins
 
 
 @dataclass(frozen=True)
@@ -85,14 +89,15 @@ class Wire:
 
 @dataclass(frozen=True)
 class BucketSchedule:
-    """One bucket from one rank: the matrices it orthogonalizes and the two exchanges. A wire is
-    None when nothing crosses it anywhere in the job and it carries no flags (no collective)."""
+    """One bucket from one rank: the matrices it orthogonalizes and the three exchanges. A wire
+    is None when nothing crosses it anywhere in the job and it carries no flags (no collective)."""
 
     owned: tuple[int, ...]
     to_owners: Wire | None
     own_pieces: tuple[Transfer, ...]  # own pieces of own matrices: straight into the stack
     from_owners: Wire | None
     own_results: tuple[Transfer, ...]  # own pieces of own results: applied from the stack
+    relay: Wire | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ class RankSchedule:
         and the per-row numbers)."""
         total = 0
         for bucket in self.buckets:
-            for wire in (bucket.to_owners, bucket.from_owners):
+            for wire in (bucket.to_owners, bucket.from_owners, bucket.relay):
                 if wire is not None:
                     segments = wire.send if sent else wire.receive
                     total += sum(t.piece.numel for segment in segments for t in segment)
@@ -143,36 +148,73 @@ def _receives_as_owner(plan: Plan, bucket: Bucket, me: int, per_row: PerRow) -> 
 
 
 def _returns_as_owner(plan: Plan, bucket: Bucket, me: int, per_row: PerRow) -> dict[int, list[Transfer]]:
-    """Holder -> its pieces of the results this rank owns."""
+    """Holder -> what it gets of the results this rank owns (``Plan.returned``)."""
     out: dict[int, list[Transfer]] = {}
     for j in plan.owned_by(bucket, me):
         for dst, piece in enumerate(plan.matrices[j].pieces):
             if piece.numel:
-                out.setdefault(dst, []).append(Transfer(j, piece, per_row.back(j)))
+                first, stop = plan.returned(j, dst)
+                if stop > first:
+                    out.setdefault(dst, []).append(
+                        Transfer(j, sub_piece(piece, first, stop), per_row.back(j))
+                    )
     return out
 
 
 def _returns_from_owners(plan: Plan, bucket: Bucket, me: int, per_row: PerRow) -> dict[int, list[Transfer]]:
-    """Owner -> this rank's pieces of the results it owns."""
+    """Owner -> what this rank gets of the results it owns (``Plan.returned``)."""
     out: dict[int, list[Transfer]] = {}
     for j in bucket.matrices:
         piece = plan.matrices[j].pieces[me]
         if piece.numel:
-            out.setdefault(plan.owners[j], []).append(Transfer(j, piece, per_row.back(j)))
+            first, stop = plan.returned(j, me)
+            if stop > first:
+                transfer = Transfer(j, sub_piece(piece, first, stop), per_row.back(j))
+                out.setdefault(plan.owners[j], []).append(transfer)
     return out
 
 
-def _moves(plan: Plan, bucket: Bucket, to_owners: bool) -> bool:
-    """Whether any piece crosses between two ranks in this exchange, anywhere in the job."""
+def _relays(
+    plan: Plan, bucket: Bucket, me: int, per_row: PerRow
+) -> tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]:
+    """(twin -> this rank's parts it relays there, twin -> the parts it relays here)."""
+    sends: dict[int, list[Transfer]] = {}
+    receives: dict[int, list[Transfer]] = {}
     for j in bucket.matrices:
-        owner = plan.owners[j]
-        if to_owners and plan.senders[j] - {owner}:
+        piece = plan.matrices[j].pieces[me]
+        copies = twins(plan.matrices[j])
+        if not piece.numel or copies is None:
+            continue
+        first, stop = plan.relayed(j, me)
+        if stop > first:
+            for twin in plan.relays_to(j, me):
+                sends.setdefault(twin, []).append(Transfer(j, sub_piece(piece, first, stop), per_row.back(j)))
+        if not plan.in_owners_replica(j, me):
+            for twin in copies.classes[copies.of[me][0]]:
+                first, stop = plan.relayed(j, twin)
+                if twin != me and stop > first:
+                    transfer = Transfer(j, sub_piece(piece, first, stop), per_row.back(j))
+                    receives.setdefault(twin, []).append(transfer)
+    return sends, receives
+
+
+def _moves(plan: Plan, bucket: Bucket, kind: str) -> bool:
+    """Whether anything crosses between two ranks in this bucket's exchange ``kind`` ("to owners",
+    "back" or "relay"), anywhere in the job."""
+    for j in bucket.matrices:
+        owner, m = plan.owners[j], plan.matrices[j]
+        if kind == "to owners" and plan.senders[j] - {owner}:
             return True
-        if not to_owners and any(
-            piece.numel for r, piece in enumerate(plan.matrices[j].pieces) if r != owner
-        ):
+        holders = [r for r, piece in enumerate(m.pieces) if piece.numel]
+        if kind == "back" and any(r != owner and _rows(plan.returned(j, r)) for r in holders):
+            return True
+        if kind == "relay" and any(_rows(plan.relayed(j, r)) and plan.relays_to(j, r) for r in holders):
             return True
     return False
+
+
+def _rows(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
 
 
 def _wire(
@@ -214,15 +256,17 @@ def rank_schedule(
             _returns_as_owner(plan, bucket, rank, per_row),
             _returns_from_owners(plan, bucket, rank, per_row),
         )
+        relays, relayed = _relays(plan, bucket, rank, per_row)
         if sends.get(rank, []) != receives.get(rank, []) or returns.get(rank, []) != returned.get(rank, []):
             raise RuntimeError(f"exchange schedule: rank {rank}'s pieces to itself disagree in bucket {k}")
         buckets.append(
             BucketSchedule(
                 owned=tuple(plan.owned_by(bucket, rank)),
-                to_owners=_wire(sends, receives, peers, rank, carried, _moves(plan, bucket, True)),
+                to_owners=_wire(sends, receives, peers, rank, carried, _moves(plan, bucket, "to owners")),
                 own_pieces=tuple(receives.get(rank, ())),
-                from_owners=_wire(returns, returned, peers, rank, 0, _moves(plan, bucket, False)),
+                from_owners=_wire(returns, returned, peers, rank, 0, _moves(plan, bucket, "back")),
                 own_results=tuple(returned.get(rank, ())),
+                relay=_wire(relays, relayed, peers, rank, 0, _moves(plan, bucket, "relay")),
             )
         )
     schedule = RankSchedule(rank, peers, tuple(buckets), per_row, carrier)
@@ -235,8 +279,9 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
 
     Every owned matrix is covered exactly by what arrives (area and bounds of the pieces), and
     its per-row numbers, where they travel, once per row; every held piece comes back exactly
-    once (with its rows' new numbers and factors, where they travel); the buffers are
-    consumed exactly by their pieces, and the elements moved equal the planner's own count
+    once, from its owner or in parts by relay (rows of it whose areas add up to it, each with
+    its rows' new numbers and factors, where they travel); the buffers are consumed exactly by
+    their pieces, and the elements moved equal the planner's own count
     (``Plan.elements_moved``).
     """
     me = schedule.rank
@@ -263,17 +308,25 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
                 fail(f"bucket {k}: matrix {j} is covered by {area} elements, not {plan.matrices[j].numel}")
             if stat_rows[j] != (plan.matrices[j].rows if j in schedule.per_row.matrices else 0):
                 fail(f"bucket {k}: matrix {j} receives per-row numbers for {stat_rows[j]} rows")
-        returned = bucket.from_owners.receive if bucket.from_owners else ()
-        for t in [t for segment in returned for t in segment] + list(bucket.own_results):
-            extra = schedule.per_row.back(t.matrix)
-            if t.piece != plan.matrices[t.matrix].pieces[me] or t.per_row != extra:
-                fail(f"bucket {k} returns {t}, not this rank's piece with {extra} numbers per row")
-            held[t.matrix] = held.get(t.matrix, 0) + 1
-        for wire in (bucket.to_owners, bucket.from_owners):
+        returned = [
+            t for wire in (bucket.from_owners, bucket.relay) if wire for seg in wire.receive for t in seg
+        ]
+        for t in returned + list(bucket.own_results):
+            extra, mine = schedule.per_row.back(t.matrix), plan.matrices[t.matrix].pieces[me]
+            p = t.piece
+            if (p.col, p.cols) != (
+                mine.col,
+                mine.cols,
+            ) or not mine.row <= p.row <= p.row + p.rows <= mine.row + mine.rows:
+                fail(f"bucket {k} returns {t}, not rows of this rank's piece {mine}")
+            if t.per_row != extra or p.local_row - mine.local_row != p.row - mine.row:
+                fail(f"bucket {k} returns {t} with {t.per_row} numbers per row, not {extra}, or misplaced")
+            held[t.matrix] = held.get(t.matrix, 0) + p.numel
+        for wire in (bucket.to_owners, bucket.from_owners, bucket.relay):
             if wire is not None and len(wire.send) != len(schedule.peers):
                 fail(f"bucket {k} has {len(wire.send)} segments for {len(schedule.peers)} peers")
-    expected = {j for j, m in enumerate(plan.matrices) if m.pieces[me].numel}
-    if set(held) != expected or any(n != 1 for n in held.values()):
-        fail(f"results returned {held}, expected each of {sorted(expected)} once")
+    expected = {j: m.pieces[me].numel for j, m in enumerate(plan.matrices) if m.pieces[me].numel}
+    if held != expected:
+        fail(f"results returned {held} elements of each matrix, expected {expected}")
     if schedule.elements(sent=True) != plan.elements_moved(me):
         fail(f"sends {schedule.elements(sent=True)} elements, the plan counts {plan.elements_moved(me)}")

@@ -1,0 +1,156 @@
+"""The relay: how each result reaches the replicas other than its owner's. Pure: no collectives,
+no tensors (``dmuon_fsdp._step.schedule`` lays the exchanges out, ``planner`` counts them).
+
+[Note: the relay] Under HSDP (and DDP, replicated DTensors, copies of a sub-mesh) every piece of a
+matrix is held by one rank in each replica: its *twins* (``Twins``). Returning each result from
+its owner to every holder sends R copies of the matrix from one rank, most of them over the slow
+links between nodes when replicas are nodes; with fewer matrices than ranks a few owners then
+send several times the mean. So the way back has two exchanges. In the first (from owners) the
+owner returns whole pieces to the holders in its own replica and, to each holder in another
+replica, only its *part*: the rows of its piece that its replica relays. In the second (the
+relay) every holder sends its part to its twins in the replicas other than the owner's, and
+receives theirs. Parts cut each bucket's pieces of one class of twins, concatenated in bucket
+order, by rows into R nearly equal runs of elements (``Cuts``), the run at position c (the
+twins' order by replica) for the twin there; so each rank relays about 1/R of its pieces to R - 1
+twins whoever owns them, a piece crosses between two replicas exactly once (each rank receives
+across replicas what it holds of the matrices owned elsewhere, the least there is), and a part is
+a rectangle of rows (a few per rank and bucket, not one per matrix and replica). A matrix whose
+replicas are cut differently (no twin in some replica) returns from its owner to every holder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from dmuon_fsdp._step.layouts import MatrixLayout, Piece
+
+
+@dataclass(frozen=True)
+class Twins:
+    """The holders of one matrix by piece: ``classes[i]`` the ranks holding one piece, one in
+    each replica, by replica index (a rank's *position*); ``of[r]`` = (its class, its position);
+    ``position[q]``: the position of replica index q."""
+
+    classes: tuple[tuple[int, ...], ...]
+    of: dict[int, tuple[int, int]]
+    position: dict[int, int]
+
+    @property
+    def count(self) -> int:
+        """Replicas (twins in each class)."""
+        return len(self.position)
+
+
+_TWINS: dict[tuple[int, int], tuple[MatrixLayout, Twins | None]] = {}  # by pieces and replicas
+
+
+def twins(m: MatrixLayout) -> Twins | None:
+    """``m``'s twins, or None when it has one copy or its replicas are cut differently (some piece
+    not held once in every replica). Matrices that share their pieces and replicas (one per
+    parameter of a shape and layout) share it."""
+    key = (id(m.pieces), id(m.replicas))
+    found = _TWINS.get(key)
+    if found is not None and found[0].pieces is m.pieces and found[0].replicas is m.replicas:
+        return found[1]
+    result = _find_twins(m)
+    if len(_TWINS) > 4096:
+        _TWINS.clear()
+    _TWINS[key] = (m, result)  # (the layout keeps the keyed tuples alive)
+    return result
+
+
+def _find_twins(m: MatrixLayout) -> Twins | None:
+    replicas = m.replicas
+    if replicas is None:
+        return None
+    by_piece: dict[Piece, list[int]] = {}
+    for r, piece in enumerate(m.pieces):
+        if piece.numel:
+            by_piece.setdefault(piece, []).append(r)
+    held = sorted({replicas[r] for ranks in by_piece.values() for r in ranks})
+    if len(held) < 2 or held != sorted(set(replicas)):
+        return None
+    classes = []
+    for ranks in by_piece.values():
+        ranks.sort(key=lambda r: replicas[r])
+        if [replicas[r] for r in ranks] != held:
+            return None
+        classes.append(tuple(ranks))
+    of = {r: (i, c) for i, ranks in enumerate(classes) for c, r in enumerate(ranks)}
+    return Twins(tuple(classes), of, {q: c for c, q in enumerate(held)})
+
+
+def sub_piece(piece: Piece, first: int, stop: int) -> Piece:
+    """Rows [first, stop) of ``piece`` (counted from its first row) as a piece of the matrix."""
+    return Piece(piece.row + first, stop - first, piece.col, piece.cols, piece.local_row + first)
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """One class of twins' pieces in one bucket, concatenated (``members``: the matrices, in
+    bucket order), cut by rows into one part per position: cut c is (member index, row) where
+    part c begins; ``positions`` cuts at most (``Twins.count``), plus the end."""
+
+    members: tuple[int, ...]
+    rows: tuple[int, ...]  # of each member's piece
+    cuts: tuple[tuple[int, int], ...]
+
+    @cached_property
+    def index(self) -> dict[int, int]:
+        """Member index of each matrix."""
+        return {j: i for i, j in enumerate(self.members)}
+
+    @classmethod
+    def of(cls, members: Sequence[int], shapes: Sequence[tuple[int, int]], positions: int) -> Cuts:
+        """Cuts of pieces of ``shapes`` (rows, cols), in order, into ``positions`` runs of nearly
+        equal elements, at the row boundary nearest each even share."""
+        sizes = [r * c for r, c in shapes]
+        total = sum(sizes)
+        cuts, i, start = [], 0, 0
+        for c in range(positions):
+            target = total * c // positions
+            while i < len(sizes) - 1 and start + sizes[i] <= target:
+                start += sizes[i]
+                i += 1
+            rows, cols = shapes[i]
+            cuts.append((i, min(rows, round((target - start) / cols)) if cols else 0))
+        cuts.append((len(sizes), 0))
+        return cls(tuple(members), tuple(r for r, _ in shapes), tuple(cuts))
+
+    def rows_of(self, j: int, position: int) -> tuple[int, int]:
+        """Rows [first, stop) of matrix ``j``'s piece in part ``position``."""
+        member = self.index[j]
+        return self._at(position, member), self._at(position + 1, member)
+
+    def _at(self, c: int, member: int) -> int:
+        i, row = self.cuts[c]
+        return self.rows[member] if i > member else 0 if i < member else row
+
+    def spanned(self, position: int) -> list[int]:
+        """The matrices part ``position`` holds rows of."""
+        first, last = self.cuts[position][0], min(self.cuts[position + 1][0], len(self.members) - 1)
+        return [
+            j
+            for j in self.members[first : last + 1]
+            if self.rows_of(j, position)[1] > self.rows_of(j, position)[0]
+        ]
+
+
+def class_cuts(
+    matrices: Sequence[MatrixLayout], bucket: Sequence[int], ranks: tuple[int, ...], positions: int
+) -> Cuts:
+    """The cuts of the class of twins ``ranks`` in a bucket of ``matrices`` (indices in order):
+    the pieces of the bucket's matrices that class holds."""
+    members, shapes = [], []
+    for j in bucket:
+        t = twins(matrices[j])
+        if t is None:
+            continue
+        found = t.of.get(ranks[0])
+        if found is not None and t.classes[found[0]] == ranks:
+            piece = matrices[j].pieces[ranks[0]]
+            members.append(j)
+            shapes.append((piece.rows, piece.cols))
+    return Cuts.of(members, shapes, positions)

@@ -17,7 +17,7 @@ from functools import cached_property
 
 from dmuon_fsdp._step.layouts import MatrixLayout
 from dmuon_fsdp._step.pipeline import Load, cut_flops
-from dmuon_fsdp._step.relay import Cuts, class_cuts, twins
+from dmuon_fsdp._step.relay import Cuts, even_shares, in_class, twins
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class Plan:
     _cuts: dict[tuple[int, tuple[int, ...]], Cuts] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
+    _shares: dict[tuple[int, ...], list[float]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
     @cached_property
     def senders(self) -> tuple[frozenset[int], ...]:
@@ -69,11 +72,36 @@ class Plan:
         return [j for j in bucket.matrices if self.owners[j] == rank]
 
     def cuts(self, k: int, ranks: tuple[int, ...]) -> Cuts:
-        """The parts of the class of twins ``ranks`` in bucket ``k`` (``relay.Cuts``)."""
+        """The parts of the class of twins ``ranks`` in bucket ``k`` (``relay.Cuts``): each twin's
+        share of every bucket is the same, sized by what it sends in the step besides
+        (``loads``), so that its elements sent in the step come out as even as they can."""
         key = (k, ranks)
         if key not in self._cuts:
-            self._cuts[key] = class_cuts(self.matrices, self.buckets[k].matrices, ranks, len(ranks))
+            first = ranks[0]
+            if ranks not in self._shares:
+                held = sum(m.pieces[first].numel for m in self.matrices if in_class(m, ranks))
+                loads = self.loads
+                self._shares[ranks] = even_shares([loads.get(r, 0) for r in ranks], held, len(ranks) - 1)
+            members = [j for j in self.buckets[k].matrices if in_class(self.matrices[j], ranks)]
+            shapes = [
+                (self.matrices[j].pieces[first].rows, self.matrices[j].pieces[first].cols) for j in members
+            ]
+            self._cuts[key] = Cuts.of(members, shapes, self._shares[ranks])
         return self._cuts[key]
+
+    @cached_property
+    def loads(self) -> dict[int, int]:
+        """The elements each rank sends in the step's exchanges to and from the owners, about
+        (the way back: the other pieces of the owner's replica, and (R - 1) / R of the matrix as
+        parts to the other replicas)."""
+        loads: dict[int, int] = {}
+        for j, (m, owner) in enumerate(zip(self.matrices, self.owners, strict=True)):
+            for r in self.senders[j] - {owner}:
+                loads[r] = loads.get(r, 0) + m.pieces[r].numel
+            copies = twins(m)
+            parts = m.numel - m.numel // copies.count if copies is not None else 0
+            loads[owner] = loads.get(owner, 0) + m.numel - m.pieces[owner].numel + parts
+        return loads
 
     def relayed(self, j: int, rank: int) -> tuple[int, int]:
         """Rows [first, stop) of ``rank``'s piece of matrix j that it relays to its twins (its
@@ -141,9 +169,20 @@ class Plan:
 
 
 def assign_owners(
-    costs: Sequence[int], world_size: int, allowed: Sequence[Sequence[int] | None] | None = None
+    costs: Sequence[int],
+    world_size: int,
+    allowed: Sequence[Sequence[int] | None] | None = None,
+    replicas: Sequence[tuple[int, ...] | None] | None = None,
+    classes: Sequence[dict[int, int] | None] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Longest-processing-time-first: biggest matrix first, each to the least-loaded rank.
+    """Longest-processing-time-first: biggest matrix first, each to the least-loaded rank; among
+    ranks equally loaded, the one whose replica (``replicas[j][r]``: matrix j's replica index of
+    rank r; None: one copy) owns the fewest elements so far (``sizes[j]``: matrix j's), then the
+    one whose twins (``classes[j][r]``: the first rank of its class of twins, ``relay.Twins``)
+    do, so that with fewer matrices than ranks the owners, and the exchanges to and from them,
+    spread over every replica and every class of twins instead of filling the first ones (the
+    relay then has twins without an owner's load to give the most of it to).
 
     ``allowed[j]``, when given, restricts matrix j's owner to those ranks; matrices allowed on one
     rank only are placed first, so the others are balanced around them. Ties break on matrix
@@ -151,23 +190,41 @@ def assign_owners(
     Returns (owner of each matrix, matrix indices in assignment order).
     """
     allowed = allowed or [None] * len(costs)
+    replicas = replicas or [None] * len(costs)
+    classes = classes or [None] * len(costs)
+    sizes = sizes or [0] * len(costs)
     order = sorted(range(len(costs)), key=lambda j: (-costs[j], -j))
     loads = [0] * world_size
+    owned: dict[tuple[str, int], int] = {}  # elements owned by each replica and class of twins
     owners = [0] * len(costs)
-    heap = [(0, rank) for rank in range(world_size)]  # may hold stale entries; loads is the truth
+
+    def key(rank: int, j: int) -> tuple[int, int, int, int]:
+        of, twins_of = replicas[j], classes[j]
+        replica = owned.get(("replica", of[rank]), 0) if of else 0
+        twin = owned.get(("twins", twins_of[rank]), 0) if twins_of and rank in twins_of else 0
+        return loads[rank], replica, twin, rank
+
+    # Entries may be stale (a rank's load, or what its replica or twins own, grew since): each is
+    # at most its true key, and the top is fixed until it is true, so the top is the least.
+    heap = [(0, 0, 0, rank) for rank in range(world_size)]
     for j in [j for j in order if (a := allowed[j]) is not None and len(a) == 1] + [
         j for j in order if (a := allowed[j]) is None or len(a) > 1
     ]:
         ranks = allowed[j]
         if ranks is None:
-            while heap[0][0] != loads[heap[0][1]]:
-                heapq.heappop(heap)
-            rank = heap[0][1]
+            while heap[0] != (true := key(heap[0][3], j)):
+                heapq.heapreplace(heap, true)
+            rank = heap[0][3]
         else:
-            rank = min(ranks, key=lambda r: (loads[r], r))
+            rank = min(ranks, key=lambda r: key(r, j))
         owners[j] = rank
         loads[rank] += costs[j]
-        heapq.heappush(heap, (loads[rank], rank))
+        of, twins_of = replicas[j], classes[j]
+        if of:
+            owned["replica", of[rank]] = owned.get(("replica", of[rank]), 0) + sizes[j]
+        if twins_of and rank in twins_of:
+            owned["twins", twins_of[rank]] = owned.get(("twins", twins_of[rank]), 0) + sizes[j]
+        heapq.heappush(heap, key(rank, j))
     return owners, order
 
 
@@ -210,7 +267,14 @@ def build_plan(
                     f"{held} elements, not {m.numel}"
                 )
     allowed = [m.full_holders if 0 < len(m.full_holders) < world_size else None for m in matrices]
-    owners, order = assign_owners(costs, world_size, allowed)
+    owners, order = assign_owners(
+        costs,
+        world_size,
+        allowed,
+        [m.replicas for m in matrices],
+        [_class_ids(m) for m in matrices],
+        [m.numel for m in matrices],
+    )
     param_of = tuple(param_of) if param_of is not None else tuple(range(len(matrices)))
     limit = max(1, bucket_bytes // element_size)
     shares = [bucket_shares(m, o) for m, o in zip(matrices, owners, strict=True)]
@@ -220,6 +284,12 @@ def build_plan(
     else:
         buckets = cutter.cut(order).buckets
     return Plan(tuple(matrices), tuple(costs), tuple(owners), buckets, world_size, param_of)
+
+
+def _class_ids(m: MatrixLayout) -> dict[int, int] | None:
+    """Each holder of ``m``'s class of twins, by its first rank (None: no twins)."""
+    copies = twins(m)
+    return {r: copies.classes[c][0] for r, (c, _) in copies.of.items()} if copies is not None else None
 
 
 def bucket_shares(m: MatrixLayout, owner: int) -> list[tuple[int, int, int]]:

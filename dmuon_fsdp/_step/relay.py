@@ -14,8 +14,11 @@ order, by rows into R nearly equal runs of elements (``Cuts``), the run at posit
 twins' order by replica) for the twin there; so each rank relays about 1/R of its pieces to R - 1
 twins whoever owns them, a piece crosses between two replicas exactly once (each rank receives
 across replicas what it holds of the matrices owned elsewhere, the least there is), and a part is
-a rectangle of rows (a few per rank and bucket, not one per matrix and replica). A matrix whose
-replicas are cut differently (no twin in some replica) returns from its owner to every holder.
+a rectangle of rows (a few per rank and bucket, not one per matrix and replica). The runs are not
+quite equal: each twin's share of every bucket is sized by what it sends in the step besides
+(``even_shares``: an owner, which returns a whole matrix, relays less), so that each rank's
+elements sent per step come out even. A matrix whose replicas are cut differently (no twin in
+some replica) returns from its owner to every holder.
 """
 
 from __future__ import annotations
@@ -103,14 +106,16 @@ class Cuts:
         return {j: i for i, j in enumerate(self.members)}
 
     @classmethod
-    def of(cls, members: Sequence[int], shapes: Sequence[tuple[int, int]], positions: int) -> Cuts:
-        """Cuts of pieces of ``shapes`` (rows, cols), in order, into ``positions`` runs of nearly
-        equal elements, at the row boundary nearest each even share."""
+    def of(cls, members: Sequence[int], shapes: Sequence[tuple[int, int]], shares: Sequence[float]) -> Cuts:
+        """Cuts of the ``members``' pieces of ``shapes`` (rows, cols), in order, into one run per
+        position of about ``shares[c]`` of their elements (fractions that add up to 1), at the
+        row boundary nearest each."""
         sizes = [r * c for r, c in shapes]
         total = sum(sizes)
-        cuts, i, start = [], 0, 0
-        for c in range(positions):
-            target = total * c // positions
+        cuts, i, start, before = [], 0, 0, 0.0
+        for share in shares:
+            target = round(total * before)
+            before += share
             while i < len(sizes) - 1 and start + sizes[i] <= target:
                 start += sizes[i]
                 i += 1
@@ -138,19 +143,29 @@ class Cuts:
         ]
 
 
-def class_cuts(
-    matrices: Sequence[MatrixLayout], bucket: Sequence[int], ranks: tuple[int, ...], positions: int
-) -> Cuts:
-    """The cuts of the class of twins ``ranks`` in a bucket of ``matrices`` (indices in order):
-    the pieces of the bucket's matrices that class holds."""
-    members, shapes = [], []
-    for j in bucket:
-        t = twins(matrices[j])
-        if t is None:
-            continue
-        found = t.of.get(ranks[0])
-        if found is not None and t.classes[found[0]] == ranks:
-            piece = matrices[j].pieces[ranks[0]]
-            members.append(j)
-            shapes.append((piece.rows, piece.cols))
-    return Cuts.of(members, shapes, positions)
+def in_class(m: MatrixLayout, ranks: tuple[int, ...]) -> bool:
+    """Whether ``ranks`` are a class of ``m``'s twins (they hold one piece of it, one per replica)."""
+    copies = twins(m)
+    found = copies.of.get(ranks[0]) if copies is not None else None
+    return found is not None and copies is not None and copies.classes[found[0]] == ranks
+
+
+def even_shares(loads: Sequence[int], total: int, fan: int) -> list[float]:
+    """The share of ``total`` elements each of ``len(loads)`` twins relays, each part going to
+    ``fan`` others, so that load + fan x part is the same for every twin with a part and no
+    more than the others' loads (water filling; all equal when the loads are). Fractions adding
+    up to 1; float arithmetic on the same numbers in the same order, so every rank's alike."""
+    count = len(loads)
+    if not total or count < 2:
+        return [1.0 / count] * count
+    budget = float(fan * total)
+    level, filled = 0.0, 0
+    ordered = sorted(loads)
+    while filled < count:  # raise the level over the lowest loads until the budget is spent
+        filled += 1
+        level = (budget + sum(ordered[:filled])) / filled
+        if filled == count or level <= ordered[filled]:
+            break
+    parts = [max(0.0, level - load) for load in loads]
+    spent = sum(parts)
+    return [part / spent for part in parts]

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dmuon_fsdp._step.layouts import EMPTY, MatrixLayout, Piece
 from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp.newton_schulz import segments_flops, standard_segments
+from instruments.traffic import Network, covered
 
 
 def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
@@ -47,16 +48,37 @@ def rank_loads(plan: Plan) -> list[int]:
     return out
 
 
-def one_owner_bound(plan: Plan, last: Sequence[int], flops_s: float, element_s: float) -> float:
+def one_owner_bound(plan: Plan, last: Sequence[int], flops_s: float, network: Network) -> float:
     """Seconds under which no step of ``plan`` with one owner per matrix ends, whatever its buckets
-    and launch order: the busiest rank's NS, and for each matrix of ``last`` (those whose
-    gradients land last) its way to the owner (the elements the owner takes), its NS and its way
-    back. ``flops_s``: seconds per NS flop; ``element_s``: seconds per element on the link."""
+    and launch order, on ``network``: the busiest rank's NS, and for each matrix of ``last`` (those
+    whose gradients land last) its way to the owner (the pieces it takes, each over the link it
+    crosses), its NS and its way back: the owner sends its node-mates their pieces over its link
+    within the node, and every other node holding some of the matrix takes in at least that much
+    (each element once) over its GPUs' links to other nodes, as does the owner's node sending it
+    out. ``flops_s``: seconds per NS flop."""
+    nodes = network.nodes(plan.world_size)
+    near_s, far_s = network.element_s(near=True), network.element_s(near=False)
     chain = 0.0
     for j in last:
-        owner = plan.owners[j]
-        taken = sum(p.numel for r, p in enumerate(plan.matrices[j].pieces) if r != owner)
-        chain = max(chain, 2 * taken * element_s + plan.costs[j] * flops_s)
+        m, owner = plan.matrices[j], plan.owners[j]
+        home = nodes[owner]
+        taken = {True: 0, False: 0}
+        for r in plan.senders[j] - {owner}:
+            taken[bool(nodes[r] == home)] += m.pieces[r].numel
+        way_to = max(taken[True] * near_s, taken[False] * far_s)
+        mates = sum(p.numel for r, p in enumerate(m.pieces) if r != owner and nodes[r] == home)
+        held: dict[int, set[tuple[int, int, int, int]]] = {}  # the pieces each other node holds
+        gpus: dict[int, int] = {}
+        for r, p in enumerate(m.pieces):
+            if p.numel and nodes[r] != home:
+                held.setdefault(int(nodes[r]), set()).add((p.row, p.rows, p.col, p.cols))
+                gpus[int(nodes[r])] = gpus.get(int(nodes[r]), 0) + 1
+        into = max(
+            (covered(rects, m.rows, m.cols) * far_s / gpus[n] for n, rects in held.items()), default=0.0
+        )
+        away = set().union(*held.values()) if held else set()
+        out = covered(away, m.rows, m.cols) * far_s / network.gpus_per_node
+        chain = max(chain, way_to + plan.costs[j] * flops_s + max(mates * near_s, into, out))
     return max(chain, max(rank_loads(plan)) * flops_s)
 
 

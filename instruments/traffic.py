@@ -2,9 +2,9 @@
 ``gpus_per_node`` (consecutive plan ranks, the shard dim innermost as HSDP meshes lay them out),
 a link within a node and a slower one between nodes, and a latency per message. Used by the paper
 model and the tests (not by the optimizer). Counts follow the planner's own (``Plan.returned``,
-``Plan.relayed``, ``Plan.relays_to``), so they are exact for the wire the schedule lays out,
-and a plan of a package from before the relay (whose owners return every holder its piece) is
-counted as it ran."""
+``Plan.relayed``, ``Plan.relays_to``), so they are exact for the wire the schedule lays out;
+the owners and buckets of a package from before the relay are counted as its exchange ran
+(``relaying=False``: each result from its owner to every holder)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ class Network:
     def nodes(self, world: int) -> np.ndarray:
         return np.arange(world) // self.gpus_per_node
 
+    def element_s(self, near: bool) -> float:
+        """Seconds per element on a GPU's link within its node (``near``) or to other nodes."""
+        return self.element_bytes / ((self.node_gbs if near else self.link_gbs) * 1e9)
+
 
 @dataclass
 class Exchange:
@@ -57,6 +61,12 @@ class Exchange:
         (self.sent_near if near else self.sent_far)[src] += elements
         (self.received_near if near else self.received_far)[dst] += elements
 
+    def count(self, pairs: set[tuple[int, int]]) -> None:
+        """The peers each rank sends to and receives from (``pairs``: source, destination)."""
+        for src, dst in pairs:
+            self.peers_out[src] += 1
+            self.peers_in[dst] += 1
+
     def seconds(self, network: Network) -> float:
         """The busiest rank's time: each tier's larger of bytes sent and received over its rate,
         the slower tier's, and a latency per peer (messages to and from a peer overlap)."""
@@ -77,13 +87,12 @@ class Exchange:
         return self.received_near + self.received_far
 
 
-def bucket_traffic(plan: Plan, k: int, nodes: np.ndarray) -> dict[str, Exchange]:
-    """Bucket ``k``'s three exchanges (``WAYS``), rank by rank."""
+def bucket_traffic(plan: Plan, k: int, nodes: np.ndarray, relaying: bool = True) -> dict[str, Exchange]:
+    """Bucket ``k``'s exchanges to and from the owners, rank by rank; ``relaying`` False: each
+    result goes from its owner to every holder (the way back before the relay)."""
     world = plan.world_size
-    out = {way: Exchange.empty(world) for way in WAYS}
-    pairs: dict[str, set[tuple[int, int]]] = {way: set() for way in WAYS}
-    relaying = hasattr(plan, "relayed")  # (a plan of a package from before the relay has none)
-    classes: set[tuple[int, ...]] = set()
+    out = {way: Exchange.empty(world) for way in WAYS[:2]}
+    pairs: dict[str, set[tuple[int, int]]] = {way: set() for way in WAYS[:2]}
     for j in plan.buckets[k].matrices:
         m, owner = plan.matrices[j], plan.owners[j]
         for r in plan.senders[j] - {owner}:
@@ -96,15 +105,19 @@ def bucket_traffic(plan: Plan, k: int, nodes: np.ndarray) -> dict[str, Exchange]
             if stop > first:
                 out["back"].add(owner, r, (stop - first) * piece.cols, nodes)
                 pairs["back"].add((owner, r))
-        copies = twins(m) if relaying else None
-        if copies is not None:
-            classes.update(copies.classes)
-    for ranks in sorted(classes):
-        _relay(plan, k, ranks, nodes, out["relay"], pairs["relay"])
     for way, exchange in out.items():
-        for src, dst in pairs[way]:
-            exchange.peers_out[src] += 1
-            exchange.peers_in[dst] += 1
+        exchange.count(pairs[way])
+    return out
+
+
+def relay_traffic(plan: Plan, g: int, nodes: np.ndarray) -> Exchange:
+    """Relay ``g`` (``Plan.relays``), rank by rank."""
+    out = Exchange.empty(plan.world_size)
+    pairs: set[tuple[int, int]] = set()
+    classes = {c for j in plan.relays[g].matrices if (t := twins(plan.matrices[j])) for c in t.classes}
+    for ranks in sorted(classes):
+        _relay(plan, g, ranks, nodes, out, pairs)
+    out.count(pairs)
     return out
 
 
@@ -139,23 +152,30 @@ def _by_home(sizes: np.ndarray, home: np.ndarray, count: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Traffic:
-    """A plan's exchanges per bucket (``exchanges[k][way]``) on a ``Network``."""
+    """A plan's exchanges on a ``Network``: per bucket (``exchanges[k][way]``, its relays' in
+    "relay", which run one after another)."""
 
-    exchanges: list[dict[str, Exchange]]
+    exchanges: list[dict[str, list[Exchange]]]
     network: Network
 
     @classmethod
-    def of(cls, plan: Plan, network: Network) -> Traffic:
+    def of(cls, plan: Plan, network: Network, relaying: bool = True) -> Traffic:
         nodes = network.nodes(plan.world_size)
-        return cls([bucket_traffic(plan, k, nodes) for k in range(len(plan.buckets))], network)
+        out: list[dict[str, list[Exchange]]] = []
+        for k in range(len(plan.buckets)):
+            ways = bucket_traffic(plan, k, nodes, relaying)
+            relays = [relay_traffic(plan, g, nodes) for g, r in enumerate(plan.relays) if r.bucket == k]
+            out.append({**{way: [e] for way, e in ways.items()}, "relay": relays if relaying else []})
+        return cls(out, network)
 
     def seconds(self, way: str) -> list[float]:
-        """Each bucket's exchange ``way`` on the network."""
-        return [bucket[way].seconds(self.network) for bucket in self.exchanges]
+        """Each bucket's exchanges ``way`` on the network, one after another."""
+        return [sum(e.seconds(self.network) for e in bucket[way]) for bucket in self.exchanges]
 
     def total(self, field: str, ways: Sequence[str] = WAYS) -> np.ndarray:
         """Every rank's elements of ``field`` (an ``Exchange`` attribute) over the step."""
-        return sum((getattr(b[w], field) for b in self.exchanges for w in ways), np.zeros(1, np.int64))
+        parts = [getattr(e, field) for b in self.exchanges for w in ways for e in b[w]]
+        return sum(parts, np.zeros(1, np.int64))
 
 
 def least_far(plan: Plan, nodes: np.ndarray) -> float:
@@ -172,12 +192,12 @@ def least_far(plan: Plan, nodes: np.ndarray) -> float:
                 by_node.setdefault(int(nodes[r]), set()).add((p.row, p.rows, p.col, p.cols))
         home = int(nodes[owner])
         for node, pieces in by_node.items():
-            held = _area(pieces, m.rows, m.cols)
+            held = covered(pieces, m.rows, m.cols)
             total += m.numel - held if node == home else held
     return total / plan.world_size
 
 
-def _area(pieces: set[tuple[int, int, int, int]], rows: int, cols: int) -> int:
+def covered(pieces: set[tuple[int, int, int, int]], rows: int, cols: int) -> int:
     """Elements covered by rectangles (row, rows, col, cols) of a rows x cols matrix."""
     if all(col == 0 and c == cols for _, _, col, c in pieces):  # row blocks: their rows' union
         covered, reach = 0, 0

@@ -64,20 +64,25 @@ def test_every_segment_matches_the_peer_that_reads_it(kind, world):
     schedules = [rank_schedule(plan, r, peers, FLAG_ELEMENTS) for r in range(world)]
     position = {rank: g for g, rank in enumerate(peers)}
     total_sent = 0
-    for k in range(len(schedules[0].buckets)):
-        for a in range(world):
-            for b in range(world):
-                bucket_a, bucket_b = schedules[a].buckets[k], schedules[b].buckets[k]
-                for wire in ("to_owners", "from_owners", "relay"):
-                    send, receive = getattr(bucket_a, wire), getattr(bucket_b, wire)
-                    assert (send is None) == (receive is None), "every rank launches the same collectives"
-                    if send is None:
-                        continue
-                    assert send.send[position[b]] == receive.receive[position[a]], (k, wire, a, b)
-                    assert send.send_counts[position[b]] == receive.receive_counts[position[a]]
-                    flags = FLAG_ELEMENTS if (wire == "to_owners" and k == 0 and world > 1) else 0
-                    assert send.flag_elements == flags
-                    total_sent += sum(t.piece.numel for t in send.send[position[b]])
+
+    def wires(schedule):  # (name, index, wire) of every exchange, in one order on every rank
+        for k, bucket in enumerate(schedule.buckets):
+            yield from (("to_owners", k, bucket.to_owners), ("from_owners", k, bucket.from_owners))
+        yield from (("relay", g, wire) for g, wire in enumerate(schedule.relays))
+
+    for a in range(world):
+        for b in range(world):
+            for (wire, k, send), (_, _, receive) in zip(
+                wires(schedules[a]), wires(schedules[b]), strict=True
+            ):
+                assert (send is None) == (receive is None), "every rank launches the same collectives"
+                if send is None:
+                    continue
+                assert send.send[position[b]] == receive.receive[position[a]], (k, wire, a, b)
+                assert send.send_counts[position[b]] == receive.receive_counts[position[a]]
+                flags = FLAG_ELEMENTS if (wire == "to_owners" and k == 0 and world > 1) else 0
+                assert send.flag_elements == flags
+                total_sent += sum(t.piece.numel for t in send.send[position[b]])
     kept = sum(m.pieces[o].numel for m, o in zip(plan.matrices, plan.owners, strict=True))
     forward = sum(m.numel for m in plan.matrices) - kept
     held = sum(m.pieces[r].numel for m in plan.matrices for r in range(world))
@@ -108,14 +113,15 @@ def test_ddp_sends_nothing_forward_and_a_flags_only_first_exchange():
         [MatrixLayout(f"m{i}", 6, 4, (full,) * world, tuple(range(world))) for i in range(3)], world, 2**20, 4
     )
     for r in range(world):
-        (bucket,) = rank_schedule(plan, r, range(world), FLAG_ELEMENTS).buckets
+        schedule = rank_schedule(plan, r, range(world), FLAG_ELEMENTS)
+        (bucket,) = schedule.buckets
         assert bucket.to_owners.send_counts == [FLAG_ELEMENTS] * world, "only the check flags travel forward"
         assert len(bucket.own_pieces) == 1
         # Every replica is one rank: the owner returns each other rank its part, and the parts
         # are relayed (here each rank's part is the matrix it owns: the relay is all of the way
         # back), so that each rank receives the two matrices it does not own once, whole, and
         # sends as much.
-        back = [w for w in (bucket.from_owners, bucket.relay) if w is not None]
+        back = [w for w in (bucket.from_owners, *schedule.relays) if w is not None]
         assert sum(sum(w.receive_counts) for w in back) == sum(sum(w.send_counts) for w in back) == 2 * 6 * 4
 
 

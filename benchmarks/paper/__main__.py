@@ -24,7 +24,8 @@ REPORTS = {
     "moe": moe_report,
 }
 
-DEFAULT_WORLD_SIZES = {"e2e": [8, 64, 256, 1024], "moe": [64, 256, 1024]}
+DEFAULT_WORLD_SIZES = {"e2e": [64, 512, 1024], "moe": [64, 256, 1024]}
+DEFAULT_MESHES = {"e2e": ["64x8", "16x64", "32x32"], "hsdp": ["2x4", "4x8", "8x8"]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +42,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--hbm-gbs", type=float, default=None, help="memory bandwidth GB/s (default: the GPU's)"
     )
-    parser.add_argument("--link-gbs", type=float, default=50.0, help="network GB/s per GPU, each direction")
+    parser.add_argument(
+        "--link-gbs", type=float, default=50.0, help="network GB/s per GPU between nodes, each direction"
+    )
+    parser.add_argument(
+        "--node-gbs",
+        type=float,
+        default=450.0,
+        help="e2e: GB/s per GPU within a node (NVLink), each direction",
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="e2e: GPUs a node (consecutive ranks)")
+    parser.add_argument("--latency-us", type=float, default=5.0, help="e2e: latency per peer of an exchange")
     parser.add_argument("--ns-efficiency", type=float, default=0.5, help="achieved fraction of peak in NS")
     parser.add_argument("--ns-steps", type=int, default=5)
     parser.add_argument(
@@ -68,9 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--world-sizes",
         type=int,
-        nargs="+",
+        nargs="*",
         default=None,
-        help="default: 8 16 ... 1024 (e2e: 8 64 256 1024; moe: 64 256 1024)",
+        help="default: 8 16 ... 1024 (e2e: flat FSDP on 64 512 1024; moe: 64 256 1024)",
     )
     parser.add_argument(
         "--tokens-per-rank", type=int, default=8192, help="e2e: tokens per rank per step (one backward)"
@@ -78,7 +89,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--mfu", type=float, default=0.4, help="e2e: achieved fraction of peak in forward and backward"
     )
-    parser.add_argument("--meshes", nargs="+", default=["2x4", "4x8", "8x8"], help="hsdp: replicas x shards")
+    parser.add_argument(
+        "--meshes",
+        nargs="*",
+        default=None,
+        help="HSDP meshes, replicas x shards (hsdp: default 2x4 4x8 8x8; e2e: 64x8 16x64 32x32, after the "
+        "flat --world-sizes)",
+    )
+    parser.add_argument(
+        "--before",
+        default=None,
+        help="e2e: also the package at this git revision (its owners and buckets; each result from its owner "
+        "to every holder)",
+    )
     parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS), help="default: per report")
     parser.add_argument(
         "--moe-models", nargs="+", default=list(MOE_MODELS), choices=list(MOE_MODELS), help="moe: models"
@@ -97,9 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=None, help="JSON (default: runs/bench/paper_<report>.json)")
     args = parser.parse_args(argv)
-    args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES.get(
-        args.report, [8, 16, 32, 64, 128, 256, 512, 1024]
+    args.world_sizes = (
+        args.world_sizes
+        if args.world_sizes is not None
+        else DEFAULT_WORLD_SIZES.get(args.report, [8, 16, 32, 64, 128, 256, 512, 1024])
     )
+    args.meshes = args.meshes if args.meshes is not None else DEFAULT_MESHES.get(args.report, [])
     return args
 
 

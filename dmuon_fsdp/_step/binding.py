@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.buffers import (
     BACK,
     RELAY,
@@ -48,6 +47,7 @@ from dmuon_fsdp._step.program import (
     Entry,
     MuonLists,
     NSInputs,
+    RelayProgram,
     Stage,
     StepProgram,
     Updates,
@@ -89,7 +89,7 @@ def bind(
         "bytes_sent": schedule.elements(sent=True) * size,
         "bytes_received": schedule.elements(sent=False) * size,
         "flag_bytes": flags.send.numel() * size if flags is not None else 0,
-        "collectives": sum(e is not None for b in buckets for e in (b.to_owners, b.from_owners, b.relay)),
+        "collectives": len(schedule.wires),
     }
     return StepProgram(
         key=key,
@@ -104,6 +104,8 @@ def bind(
         muon=binder.muon_lists(state),
         adamw=binder.adamw(state),
         buckets=buckets,
+        relays=tuple(r for b in buckets for r in b.relays),
+        relays_before=tuple(sum(len(b.relays) for b in buckets[:k]) for k in range(len(buckets) + 1)),
         flags=flags,
         carrier=schedule.carrier,
         counts=counts,
@@ -254,9 +256,10 @@ class _Binder:
         factors = self.carry_rows(
             bucket, to_owners, from_owners, owned_rows, back, spread, assemble, collect, writes
         )
-        relay = regions[RELAY, k % SLOTS]
-        relayed, pack, relay_updates, relay_writes = self.relay(bucket, returned, factors, relay)
-        for name, r in ((TO, to), (BACK, back), (RELAY, relay)):
+        relays = tuple(
+            self.relay(g, returned, factors) for g, relay in enumerate(self.plan.relays) if relay.bucket == k
+        )
+        for name, r in ((TO, to), (BACK, back)):
             self.needed[name, k % SLOTS] = max(self.needed[name, k % SLOTS], r.used)
         return BucketProgram(
             reads,
@@ -270,26 +273,20 @@ class _Binder:
             from_owners.exchange,
             self.updates(returned, factors),
             writes,
-            pack,
-            relayed,
-            relay_updates,
-            relay_writes,
+            relays,
         )
 
     def relay(
-        self,
-        bucket: BucketSchedule,
-        returned: Sequence[tuple[Transfer, Tensor]],
-        factors: dict[Transfer, Tensor],
-        region: Region,
-    ) -> tuple[comm.Exchange | None, Copies, tuple[Updates, ...], Copies]:
-        """The bucket's relay ([Note: the relay] in ``dmuon_fsdp._step.relay``): the parts this
-        rank relays, from what it holds of each result once the way back is applied
-        (``returned``: a transfer and its view per matrix; a row variant's new state, already
-        in place, and ``factors``), into the send buffer (``pack``); and what arrives, applied
-        (with its rows' new state into place and its factors into a buffer of ``region``)."""
+        self, g: int, returned: Sequence[tuple[Transfer, Tensor]], factors: dict[Transfer, Tensor]
+    ) -> RelayProgram:
+        """Relay ``g`` ([Note: the relay] in ``dmuon_fsdp._step.relay``), in its slot: the parts
+        this rank relays, from what it holds of each result once its bucket's way back is
+        applied (``returned``: a transfer and its view per matrix; a row variant's new state,
+        already in place, and ``factors``), into the send buffer (``pack``); and what arrives,
+        applied (with its rows' new state into place and its factors into a buffer of the slot)."""
         comm_dtype = self.settings.comm_dtype
-        wire = wired(bucket.relay, comm_dtype, region, self.settings.exchange_group.process_group)
+        region = self.pool.regions()[RELAY, g % SLOTS]
+        wire = wired(self.schedule.relays[g], comm_dtype, region, self.settings.exchange_group.process_group)
         pack = Copies([], [])
         held = {t.matrix: (t, view) for t, view in returned}
         for slot in wire.sent:
@@ -315,7 +312,8 @@ class _Binder:
             writes.add(as_wire(relayed[t], comm_dtype), factors_in)
             offset += t.piece.rows
         updates = self.updates([(slot.transfer, slot.piece) for slot in wire.received], relayed)
-        return wire.exchange, pack, updates, writes
+        self.needed[RELAY, g % SLOTS] = max(self.needed[RELAY, g % SLOTS], region.used)
+        return RelayProgram(g, pack, wire.exchange, updates, writes)
 
     def way_back(
         self, k: int, bucket: BucketSchedule, back: Region, region: Callable[[Transfer], Tensor]

@@ -14,12 +14,12 @@ order every rank launches them:
   larger of elements sent and received, times ``flops_per_element``: the NS flops a device runs
   in the time the link moves one element (its NS rate over its link's, in elements);
 - bucket k's NS starts on each of its owners once bucket k arrived, bucket k - 2's results were
-  applied (its way back shares bucket k's slot), bucket k - 3's relay across replicas was
-  applied (its relay buffers are bucket k - 1's) and the owner is through its earlier buckets;
+  applied (its way back shares bucket k's slot), bucket k - 3's relays across replicas were
+  applied and the owner is through its earlier buckets;
 - the exchanges to the owners of buckets 0 and 1 are launched first, then bucket k + 1's at the
   start of bucket k (after bucket k - 1's NS and return), each bucket's return after its NS,
-  and bucket k's relay (``dmuon_fsdp._step.relay``) once its return arrived, before bucket
-  k + 2's NS.
+  and bucket k's relays (``dmuon_fsdp._step.relay``; one transfer here, as long as they are one
+  after another) once its return arrived, before bucket k + 2's NS.
 
 A bucket's host work (its few dozen launches) is counted as ``BUCKET_HOST_FLOPS`` per bucket
 (``cut_flops``): a cut into more buckets must save more than that. What it leaves out:
@@ -30,7 +30,7 @@ per exchange hold them) and a step begun in backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -149,7 +149,7 @@ class _Events:
 
     def __init__(
         self,
-        seconds: dict[str, Sequence[float]],
+        seconds: Mapping[str, Sequence[float]],
         ns: Sequence[dict[int, float]],
         start: float,
         started: Sequence[float],
@@ -196,7 +196,7 @@ class _Events:
 
 
 def timeline(
-    seconds: dict[str, Sequence[float]],
+    seconds: Mapping[str, Sequence[float]],
     ns: Sequence[dict[int, float]],
     start: float = 0.0,
     started: Sequence[float] = (),

@@ -28,6 +28,15 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class Relay:
+    """Matrices (of one bucket, with twins) whose parts one relay carries, once bucket ``bucket``'s
+    way back arrived ([Note: the relay] in ``dmuon_fsdp._step.relay``)."""
+
+    matrices: tuple[int, ...]
+    bucket: int
+
+
+@dataclass(frozen=True)
 class Plan:
     """Owners and buckets for a list of matrices over ``world_size`` ranks; ``costs[j]`` is matrix
     j's Newton-Schulz flops and ``param_of[j]`` the index of the parameter it belongs to (a
@@ -36,9 +45,10 @@ class Plan:
     Exchange to the owners (gather): each sender of matrix j sends its piece to j's owner. Way
     back: the owner returns every holder its piece of the result (``returned``) but, where the
     matrix has twins in other replicas (``dmuon_fsdp._step.relay``), only their parts to the
-    holders outside its own replica, which then receive the rest from their twins (the relay:
-    ``relayed``, ``relays_to``). Ranks are numbered by exchange-mesh index; how the pieces sit
-    in the buffers of each all-to-all is ``dmuon_fsdp._step.schedule``'s business.
+    holders outside its own replica, which then receive the rest from their twins in one of
+    ``relays``, the relays after its bucket (``relayed``, ``relays_to``). Ranks are numbered by
+    exchange-mesh index; how the pieces sit in the buffers of each all-to-all is
+    ``dmuon_fsdp._step.schedule``'s business.
     """
 
     matrices: tuple[MatrixLayout, ...]
@@ -47,6 +57,7 @@ class Plan:
     buckets: tuple[Bucket, ...]
     world_size: int
     param_of: tuple[int, ...]
+    relays: tuple[Relay, ...] = ()
     _cuts: dict[tuple[int, tuple[int, ...]], Cuts] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
@@ -60,29 +71,29 @@ class Plan:
         return tuple(frozenset(m.senders(o)) for m, o in zip(self.matrices, self.owners, strict=True))
 
     @cached_property
-    def bucket_of(self) -> tuple[int, ...]:
-        """The bucket of each matrix."""
-        out = [0] * len(self.matrices)
-        for k, bucket in enumerate(self.buckets):
-            for j in bucket.matrices:
-                out[j] = k
+    def relay_of(self) -> tuple[int, ...]:
+        """The relay of each matrix (-1: none)."""
+        out = [-1] * len(self.matrices)
+        for g, relay in enumerate(self.relays):
+            for j in relay.matrices:
+                out[j] = g
         return tuple(out)
 
     def owned_by(self, bucket: Bucket, rank: int) -> list[int]:
         return [j for j in bucket.matrices if self.owners[j] == rank]
 
-    def cuts(self, k: int, ranks: tuple[int, ...]) -> Cuts:
-        """The parts of the class of twins ``ranks`` in bucket ``k`` (``relay.Cuts``): each twin's
-        share of every bucket is the same, sized by what it sends in the step besides
+    def cuts(self, g: int, ranks: tuple[int, ...]) -> Cuts:
+        """The parts of the class of twins ``ranks`` in relay ``g`` (``relay.Cuts``): each twin's
+        share of every relay is the same, sized by what it sends in the step besides
         (``loads``), so that its elements sent in the step come out as even as they can."""
-        key = (k, ranks)
+        key = (g, ranks)
         if key not in self._cuts:
             first = ranks[0]
             if ranks not in self._shares:
                 held = sum(m.pieces[first].numel for m in self.matrices if in_class(m, ranks))
                 loads = self.loads
                 self._shares[ranks] = even_shares([loads.get(r, 0) for r in ranks], held, len(ranks) - 1)
-            members = [j for j in self.buckets[k].matrices if in_class(self.matrices[j], ranks)]
+            members = [j for j in self.relays[g].matrices if in_class(self.matrices[j], ranks)]
             shapes = [
                 (self.matrices[j].pieces[first].rows, self.matrices[j].pieces[first].cols) for j in members
             ]
@@ -107,10 +118,10 @@ class Plan:
         """Rows [first, stop) of ``rank``'s piece of matrix j that it relays to its twins (its
         part); (0, 0) when j has no twins or ``rank`` holds none of it."""
         t = twins(self.matrices[j])
-        if t is None or rank not in t.of:
+        if t is None or rank not in t.of or self.relay_of[j] < 0:
             return 0, 0
         c, position = t.of[rank]
-        return self.cuts(self.bucket_of[j], t.classes[c]).rows_of(j, position)
+        return self.cuts(self.relay_of[j], t.classes[c]).rows_of(j, position)
 
     def in_owners_replica(self, j: int, rank: int) -> bool:
         m = self.matrices[j]
@@ -120,14 +131,14 @@ class Plan:
         """Rows [first, stop) of ``rank``'s piece of matrix j that j's owner returns to it: all
         of them in the owner's replica and for matrices without twins, else its part."""
         rows = self.matrices[j].pieces[rank].rows
-        if twins(self.matrices[j]) is None or self.in_owners_replica(j, rank):
+        if self.relay_of[j] < 0 or self.in_owners_replica(j, rank):
             return 0, rows
         return self.relayed(j, rank)
 
     def relays_to(self, j: int, rank: int) -> tuple[int, ...]:
         """The twins ``rank`` relays its part of matrix j to: those outside the owner's replica."""
         t = twins(self.matrices[j])
-        if t is None or rank not in t.of:
+        if t is None or rank not in t.of or self.relay_of[j] < 0:
             return ()
         owner_replica = self.matrices[j].replica(self.owners[j])
         m = self.matrices[j]
@@ -139,7 +150,8 @@ class Plan:
         rows of different matrices)."""
         shapes = [(m.name, m.rows, m.cols, m.pieces, m.replicas) for m in self.matrices]
         buckets = [b.matrices for b in self.buckets]
-        return zlib.crc32(repr((shapes, self.costs, self.owners, buckets)).encode())
+        relays = [(r.matrices, r.bucket) for r in self.relays]
+        return zlib.crc32(repr((shapes, self.costs, self.owners, buckets, relays)).encode())
 
     def elements_moved(self, rank: int) -> int:
         """Elements ``rank`` sends to other ranks in one step, all three exchanges together: its
@@ -240,7 +252,9 @@ def build_plan(
     """Assign owners by NS cost (``costs[j]``, matrix j's flops) over all matrices and cut them
     into buckets in which no rank holds or moves more than ``bucket_bytes`` (in elements of
     ``element_size`` bytes; ``Cutter.cut``), shaped into a pipeline that ramps (``ramp``) when
-    ``flops_per_byte`` (the NS flops a rank runs in the time its link moves one byte) is given.
+    ``flops_per_byte`` (the NS flops a rank runs in the time its link moves one byte) is given;
+    then each bucket's matrices with twins into relays in which no rank relays or receives by
+    relay more than ``bucket_bytes`` (a bucket's relays follow its way back one by one).
 
     A matrix that some ranks hold whole (a 1-row matrix, an expert of an expert-sharded stack,
     also when replicated) is owned by one of them: nothing is sent to its owner. Buckets follow
@@ -283,7 +297,12 @@ def build_plan(
         buckets = ramp(matrices, costs, order, cutter, flops_per_byte * element_size)
     else:
         buckets = cutter.cut(order).buckets
-    return Plan(tuple(matrices), tuple(costs), tuple(owners), buckets, world_size, param_of)
+    relays = tuple(
+        Relay(group.matrices, k)
+        for k, bucket in enumerate(buckets)
+        for group in cutter.cut([j for j in bucket.matrices if twins(matrices[j])], RELAY_KINDS).buckets
+    )
+    return Plan(tuple(matrices), tuple(costs), tuple(owners), buckets, world_size, param_of, relays)
 
 
 def _class_ids(m: MatrixLayout) -> dict[int, int] | None:
@@ -342,6 +361,8 @@ SHARES = (  # a rank's, per bucket
 
 OWNER_KINDS = (HELD, TAKEN, RETURNED)  # the owner's alone
 SPREAD_KINDS = (SENT, RECEIVED, RELAYED, RELAYED_IN)  # every holder's
+BUCKET_KINDS = frozenset((HELD, TAKEN, RETURNED, SENT, RECEIVED))  # the shares a bucket bounds
+RELAY_KINDS = frozenset((RELAYED, RELAYED_IN))  # and a relay
 
 Shares = Sequence[Sequence[tuple[int, int, int]]]  # ``bucket_shares`` of every matrix
 
@@ -381,14 +402,15 @@ class Cutter:
             self.at_owner.append(at_owner)
             self.spread.append([(moved[w], max((n for _, n in moved[w]), default=0)) for w in SPREAD_KINDS])
 
-    def cut(self, order: Sequence[int]) -> Cut:
+    def cut(self, order: Sequence[int], bounded: frozenset[int] = BUCKET_KINDS) -> Cut:
         """Cut ``order`` into consecutive buckets in which no rank holds whole matrices of more
         than ``limit`` elements (its stacks; what it takes is part of them), nor sends or receives
-        more than ``limit`` in any exchange; a bucket holding a matrix larger than ``limit``
-        allows that matrix's size instead (so that such matrices still spread over the owners:
-        one each). A matrix joins the current bucket unless it would take some rank's share, not
-        empty yet, past the bucket's allowance; then the bucket closes and the matrix starts the
-        next one."""
+        more than ``limit`` in its exchanges to and from the owners (the kinds of share in
+        ``bounded``; ``RELAY_KINDS``: cut into relays); a bucket holding a matrix larger than
+        ``limit`` allows that matrix's size instead (so that such matrices still spread over the
+        owners: one each). A matrix joins the current bucket unless it would take some rank's
+        share, not empty yet, past the bucket's allowance; then the bucket closes and the matrix
+        starts the next one."""
         world = self.world_size
         buckets: list[Bucket] = []
         loads: list[Load] = []
@@ -407,10 +429,15 @@ class Cutter:
             owner, at_owner, spread = self.owners[j], self.at_owner[j], self.spread[j]
             grown = max(allowance, at_owner[HELD])  # (a matrix's own share is its size)
             if not current or (
-                any(totals[w][owner] and totals[w][owner] + at_owner[w] > grown for w in OWNER_KINDS)
+                any(
+                    totals[w][owner] and totals[w][owner] + at_owner[w] > grown
+                    for w in OWNER_KINDS
+                    if w in bounded
+                )
                 or any(
                     over(totals[w], pieces, largest, peaks[w], grown)
                     for w, (pieces, largest) in zip(SPREAD_KINDS, spread, strict=True)
+                    if w in bounded
                 )
             ):
                 if current:

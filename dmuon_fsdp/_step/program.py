@@ -120,14 +120,27 @@ class Updates:
 
 
 @dataclass(frozen=True)
+class RelayProgram:
+    """Relay ``index`` of a plan bound to its slot's buffers (relay g takes slot g % ``SLOTS``),
+    in the order a step runs it once its bucket's way back arrived: ``pack`` fills its send
+    buffer with the parts this rank relays (and their rows' numbers), ``exchange`` carries them
+    to the twins in other replicas, ``writes`` and ``updates`` apply what it brought ([Note: the
+    relay] in ``dmuon_fsdp._step.relay``)."""
+
+    index: int
+    pack: Copies
+    exchange: comm.Exchange | None
+    updates: tuple[Updates, ...]
+    writes: Copies
+
+
+@dataclass(frozen=True)
 class BucketProgram:
     """One bucket bound to its slot's buffers (see ``dmuon_fsdp._step.buffers``), in the order a step
     runs it: ``stage`` makes its NS inputs, ``to_owners`` carries them, ``assemble`` stacks what
     arrived, ``batches`` orthogonalize (then ``after_ns`` runs), ``collect`` fills the way
-    back, ``from_owners`` returns the results, ``writes`` and ``updates`` apply them; then
-    ``pack`` fills the relay to the twins in other replicas with the parts this rank relays,
-    ``relay`` carries them and ``relay_writes`` and ``relay_updates`` apply what it brought
-    ([Note: the relay] in ``dmuon_fsdp._step.relay``)."""
+    back, ``from_owners`` returns the results, ``writes`` and ``updates`` apply them, and the
+    bucket's ``relays`` carry the rest to the replicas outside each owner's."""
 
     reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
     needs: tuple[int, ...]  # those of every parameter with a matrix in it, on any rank
@@ -140,10 +153,7 @@ class BucketProgram:
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
     writes: Copies  # numbers returned with the results into place (after the verdict)
-    pack: Copies  # the parts relayed, with their rows' numbers, into the relay's send buffer
-    relay: comm.Exchange | None
-    relay_updates: tuple[Updates, ...]
-    relay_writes: Copies  # numbers relayed with the parts into place
+    relays: tuple[RelayProgram, ...]
 
 
 @dataclass(frozen=True)
@@ -229,6 +239,8 @@ class StepProgram:
     muon: tuple[MuonLists, ...]
     adamw: tuple[AdamWLists, ...]
     buckets: tuple[BucketProgram, ...]
+    relays: tuple[RelayProgram, ...]  # every bucket's, in order (``BucketProgram.relays``)
+    relays_before: tuple[int, ...]  # per bucket, the relays of the buckets before it (and in all)
     flags: Flags | None
     carrier: int
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields

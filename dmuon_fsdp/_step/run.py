@@ -139,15 +139,15 @@ class StepRun:
                 assert local is not None  # else the flags (or this rank's findings) say INVALID
                 program.decay(steps, stats)
                 program.adamw_step(local, groups, stats)
-            if k >= carrier:  # bucket k - 2's way back is bucket k's, its relay bucket k - 1's
-                self.relay_through(k - SLOTS - 1, steps)
+            if k >= carrier:  # bucket k - 2's way back is bucket k's (its relays: applied in turn)
+                self.relay_through(program.relays_before[max(0, k - SLOTS)], steps)
                 self.back_through(k - SLOTS, steps)
             self.finish(k, discarded=made is None)
             if not self.overlap and k >= carrier:
                 self.back_through(k, steps)
-                self.relay_through(k, steps)
+                self.relay_through(program.relays_before[k + 1], steps)
         self.back_through(n - 1, steps)
-        self.relay_through(n - 1, steps)
+        self.relay_through(program.relays_before[n], steps)
         assert local is not None  # the carrier (one of the buckets) had a GO verdict
         program.commit_momentum(local, steps, stats)
         stats.count(**program.counts)
@@ -177,36 +177,40 @@ class StepRun:
 
     def back_through(self, last: int, steps: Sequence[MuonStep | None] | None) -> None:
         """Wait for the way back of the buckets not yet applied through ``last``, start each one's
-        relay across replicas (from the parts it holds now) and apply what came back. ``steps``
+        relays across replicas (from the parts it holds now) and apply what came back. ``steps``
         None: the step is discarded (only the exchanges run)."""
         for k in range(self.applied, last + 1):
-            self.relay_through(k - SLOTS, steps)  # bucket k's relay takes bucket k - 2's buffers
             bucket, stats = self.program.buckets[k], self.stats
             with stats.phase("wait"):
                 comm.wait(self.from_owners.pop(k))
             with stats.phase("apply"):
                 if steps is not None:
                     bucket.writes.run()
-                    bucket.pack.run()
-                self.relays[k] = comm.launch(bucket.relay) if bucket.relay is not None else None
+                for relay in bucket.relays:
+                    self.relay_through(relay.index - SLOTS + 1, steps)  # relay g takes g - 2's buffers
+                    if steps is not None:
+                        relay.pack.run()
+                    self.relays[relay.index] = (
+                        comm.launch(relay.exchange) if relay.exchange is not None else None
+                    )
                 if steps is not None:
                     for u in bucket.updates:
                         u.apply(steps)
             self.applied = k + 1
 
-    def relay_through(self, last: int, steps: Sequence[MuonStep | None] | None) -> None:
-        """Wait for the relays of the buckets through ``last`` that were started and apply them
-        (``steps`` None: discarded)."""
-        for k in range(self.relays_applied, min(last + 1, self.applied)):
-            bucket, stats = self.program.buckets[k], self.stats
-            with stats.phase("wait"):
-                comm.wait(self.relays.pop(k))
+    def relay_through(self, stop: int, steps: Sequence[MuonStep | None] | None) -> None:
+        """Wait for the relays launched before relay ``stop`` and apply them (``steps`` None:
+        discarded)."""
+        relays = self.program.relays
+        for g in range(self.relays_applied, min(stop, len(self.relays) + self.relays_applied)):
+            with self.stats.phase("wait"):
+                comm.wait(self.relays.pop(g))
             if steps is not None:
-                with stats.phase("apply"):
-                    bucket.relay_writes.run()
-                    for u in bucket.relay_updates:
+                with self.stats.phase("apply"):
+                    relays[g].writes.run()
+                    for u in relays[g].updates:
                         u.apply(steps)
-            self.relays_applied = k + 1
+            self.relays_applied = g + 1
 
     def abandon(self, verdict: Verdict) -> Verdict:
         """A step that does not go on: every exchange in flight waited for, nothing committed."""
@@ -231,12 +235,12 @@ class StepRun:
             while self.launched <= self.ahead(k):  # as ``run`` launches them
                 self.start(self.launched, None)
             if k >= carrier:
-                self.relay_through(k - SLOTS - 1, None)
+                self.relay_through(self.program.relays_before[max(0, k - SLOTS)], None)
                 self.back_through(k - SLOTS, None)
             self.finish(k, discarded=True)
             if not self.overlap and k >= carrier:
                 self.back_through(k, None)
-                self.relay_through(k, None)
+                self.relay_through(self.program.relays_before[k + 1], None)
         self.back_through(n - 1, None)
         self.settle()
 

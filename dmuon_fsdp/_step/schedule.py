@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dmuon_fsdp._step.layouts import Piece
-from dmuon_fsdp._step.planner import Bucket, Plan
+from dmuon_fsdp._step.planner import Bucket, Plan, Relay
 from dmuon_fsdp._step.relay import sub_piece, twins
 
 
@@ -97,7 +97,6 @@ class BucketSchedule:
     own_pieces: tuple[Transfer, ...]  # own pieces of own matrices: straight into the stack
     from_owners: Wire | None
     own_results: tuple[Transfer, ...]  # own pieces of own results: applied from the stack
-    relay: Wire | None = None
 
 
 @dataclass(frozen=True)
@@ -107,23 +106,28 @@ class RankSchedule:
     flags when the job has more than one rank: the first bucket's, or for a step started in
     backward the first one launched at ``step`` (see ``dmuon_fsdp._step.run``, the bucket loop);
     a plan without matrices gets one empty bucket for them. ``per_row``: which matrices'
-    per-row numbers travel."""
+    per-row numbers travel; ``relays[g]``: the wire of the plan's relay g (``Plan.relays``)."""
 
     rank: int
     peers: tuple[int, ...]
     buckets: tuple[BucketSchedule, ...]
     per_row: PerRow = PerRow()
     carrier: int = 0
+    relays: tuple[Wire | None, ...] = ()
+
+    @property
+    def wires(self) -> list[Wire]:
+        """Every exchange's wire this rank takes part in."""
+        ways = [w for b in self.buckets for w in (b.to_owners, b.from_owners)] + list(self.relays)
+        return [w for w in ways if w is not None]
 
     def elements(self, sent: bool) -> int:
         """Matrix elements sent to (or received from) other ranks per step (without the flags
         and the per-row numbers)."""
         total = 0
-        for bucket in self.buckets:
-            for wire in (bucket.to_owners, bucket.from_owners, bucket.relay):
-                if wire is not None:
-                    segments = wire.send if sent else wire.receive
-                    total += sum(t.piece.numel for segment in segments for t in segment)
+        for wire in self.wires:
+            segments = wire.send if sent else wire.receive
+            total += sum(t.piece.numel for segment in segments for t in segment)
         return total
 
 
@@ -175,12 +179,12 @@ def _returns_from_owners(plan: Plan, bucket: Bucket, me: int, per_row: PerRow) -
 
 
 def _relays(
-    plan: Plan, bucket: Bucket, me: int, per_row: PerRow
+    plan: Plan, relay: Relay, me: int, per_row: PerRow
 ) -> tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]:
     """(twin -> this rank's parts it relays there, twin -> the parts it relays here)."""
     sends: dict[int, list[Transfer]] = {}
     receives: dict[int, list[Transfer]] = {}
-    for j in bucket.matrices:
+    for j in relay.matrices:
         piece = plan.matrices[j].pieces[me]
         copies = twins(plan.matrices[j])
         if not piece.numel or copies is None:
@@ -198,9 +202,9 @@ def _relays(
     return sends, receives
 
 
-def _moves(plan: Plan, bucket: Bucket, kind: str) -> bool:
+def _moves(plan: Plan, bucket: Bucket | Relay, kind: str) -> bool:
     """Whether anything crosses between two ranks in this bucket's exchange ``kind`` ("to owners",
-    "back" or "relay"), anywhere in the job."""
+    "back"), or in this relay ("relay"), anywhere in the job."""
     for j in bucket.matrices:
         owner, m = plan.owners[j], plan.matrices[j]
         if kind == "to owners" and plan.senders[j] - {owner}:
@@ -256,7 +260,6 @@ def rank_schedule(
             _returns_as_owner(plan, bucket, rank, per_row),
             _returns_from_owners(plan, bucket, rank, per_row),
         )
-        relays, relayed = _relays(plan, bucket, rank, per_row)
         if sends.get(rank, []) != receives.get(rank, []) or returns.get(rank, []) != returned.get(rank, []):
             raise RuntimeError(f"exchange schedule: rank {rank}'s pieces to itself disagree in bucket {k}")
         buckets.append(
@@ -266,10 +269,13 @@ def rank_schedule(
                 own_pieces=tuple(receives.get(rank, ())),
                 from_owners=_wire(returns, returned, peers, rank, 0, _moves(plan, bucket, "back")),
                 own_results=tuple(returned.get(rank, ())),
-                relay=_wire(relays, relayed, peers, rank, 0, _moves(plan, bucket, "relay")),
             )
         )
-    schedule = RankSchedule(rank, peers, tuple(buckets), per_row, carrier)
+    relays = []
+    for relay in plan.relays:
+        relays_out, relays_in = _relays(plan, relay, rank, per_row)
+        relays.append(_wire(relays_out, relays_in, peers, rank, 0, _moves(plan, relay, "relay")))
+    schedule = RankSchedule(rank, peers, tuple(buckets), per_row, carrier, tuple(relays))
     check(plan, schedule)
     return schedule
 
@@ -308,23 +314,20 @@ def check(plan: Plan, schedule: RankSchedule) -> None:
                 fail(f"bucket {k}: matrix {j} is covered by {area} elements, not {plan.matrices[j].numel}")
             if stat_rows[j] != (plan.matrices[j].rows if j in schedule.per_row.matrices else 0):
                 fail(f"bucket {k}: matrix {j} receives per-row numbers for {stat_rows[j]} rows")
-        returned = [
-            t for wire in (bucket.from_owners, bucket.relay) if wire for seg in wire.receive for t in seg
-        ]
-        for t in returned + list(bucket.own_results):
-            extra, mine = schedule.per_row.back(t.matrix), plan.matrices[t.matrix].pieces[me]
-            p = t.piece
-            if (p.col, p.cols) != (
-                mine.col,
-                mine.cols,
-            ) or not mine.row <= p.row <= p.row + p.rows <= mine.row + mine.rows:
-                fail(f"bucket {k} returns {t}, not rows of this rank's piece {mine}")
-            if t.per_row != extra or p.local_row - mine.local_row != p.row - mine.row:
-                fail(f"bucket {k} returns {t} with {t.per_row} numbers per row, not {extra}, or misplaced")
-            held[t.matrix] = held.get(t.matrix, 0) + p.numel
-        for wire in (bucket.to_owners, bucket.from_owners, bucket.relay):
-            if wire is not None and len(wire.send) != len(schedule.peers):
-                fail(f"bucket {k} has {len(wire.send)} segments for {len(schedule.peers)} peers")
+    returned = [t for b in schedule.buckets if b.from_owners for seg in b.from_owners.receive for t in seg]
+    returned += [t for b in schedule.buckets for t in b.own_results]
+    returned += [t for wire in schedule.relays if wire for seg in wire.receive for t in seg]
+    for t in returned:
+        extra, mine, p = schedule.per_row.back(t.matrix), plan.matrices[t.matrix].pieces[me], t.piece
+        inside = mine.row <= p.row <= p.row + p.rows <= mine.row + mine.rows
+        if (p.col, p.cols) != (mine.col, mine.cols) or not inside:
+            fail(f"{t} returned, not rows of this rank's piece {mine}")
+        if t.per_row != extra or p.local_row - mine.local_row != p.row - mine.row:
+            fail(f"{t} returned with {t.per_row} numbers per row, not {extra}, or misplaced")
+        held[t.matrix] = held.get(t.matrix, 0) + p.numel
+    for wire in schedule.wires:
+        if len(wire.send) != len(schedule.peers):
+            fail(f"an exchange has {len(wire.send)} segments for {len(schedule.peers)} peers")
     expected = {j: m.pieces[me].numel for j, m in enumerate(plan.matrices) if m.pieces[me].numel}
     if held != expected:
         fail(f"results returned {held} elements of each matrix, expected {expected}")

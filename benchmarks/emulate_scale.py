@@ -293,10 +293,13 @@ def rank_main(
     assert plan is not None and stats is not None  # (opt has stepped)
     if package is None:  # this checkout's plan (instruments import its package)
         from instruments.plans import one_owner_bound
+        from instruments.traffic import Network
 
-        # at full size: flops S^3 and bytes S^2 times the shrunk matrices'; every gradient is ready
-        flops_s, element_s = args.scale**3 / (args.tflops * 1e12), 2 * args.scale**2 / (args.link_gbs * 1e9)
-        result["bound_s"] = one_owner_bound(plan, range(len(plan.matrices)), flops_s, element_s)
+        # at full size: flops S^3 and bytes S^2 times the shrunk matrices'; every gradient is ready;
+        # one link: every rank in one node
+        flops_s = args.scale**3 / (args.tflops * 1e12)
+        one_link = Network(world, args.link_gbs, args.link_gbs, 0.0, 2 * args.scale**2)
+        result["bound_s"] = one_owner_bound(plan, range(len(plan.matrices)), flops_s, one_link)
     result.update(
         step_s=statistics.median(steps),
         steps_s=steps,

@@ -266,20 +266,7 @@ def build_plan(
     first: their gradients land first in backward, so that the first bucket can start there
     (``overlap_backward``).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if len(costs) != len(matrices):
-        raise ValueError(f"{len(costs)} costs for {len(matrices)} matrices")
-    for m in matrices:
-        if len(m.pieces) != world_size:
-            raise ValueError(f"matrix {m.name!r} has pieces for {len(m.pieces)} ranks, not {world_size}")
-        for replica in set(m.replicas or (0,)):
-            held = sum(p.numel for r, p in enumerate(m.pieces) if m.replica(r) == replica)
-            if held != m.numel:
-                raise ValueError(
-                    f"matrix {m.name!r} ({m.rows}x{m.cols}): the pieces of replica {replica} hold "
-                    f"{held} elements, not {m.numel}"
-                )
+    _check_tiles(matrices, costs, world_size)
     allowed = [m.full_holders if 0 < len(m.full_holders) < world_size else None for m in matrices]
     owners, order = assign_owners(
         costs,
@@ -303,6 +290,24 @@ def build_plan(
         for group in cutter.cut([j for j in bucket.matrices if twins(matrices[j])], RELAY_KINDS).buckets
     )
     return Plan(tuple(matrices), tuple(costs), tuple(owners), buckets, world_size, param_of, relays)
+
+
+def _check_tiles(matrices: Sequence[MatrixLayout], costs: Sequence[int], world_size: int) -> None:
+    """Every matrix has a cost and a piece for each rank, and each replica's pieces tile it."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if len(costs) != len(matrices):
+        raise ValueError(f"{len(costs)} costs for {len(matrices)} matrices")
+    for m in matrices:
+        if len(m.pieces) != world_size:
+            raise ValueError(f"matrix {m.name!r} has pieces for {len(m.pieces)} ranks, not {world_size}")
+        for replica in set(m.replicas or (0,)):
+            held = sum(p.numel for r, p in enumerate(m.pieces) if m.replica(r) == replica)
+            if held != m.numel:
+                raise ValueError(
+                    f"matrix {m.name!r} ({m.rows}x{m.cols}): the pieces of replica {replica} hold "
+                    f"{held} elements, not {m.numel}"
+                )
 
 
 def _class_ids(m: MatrixLayout) -> dict[int, int] | None:
@@ -419,27 +424,11 @@ class Cutter:
         peaks: list[int] = []  # the largest of each kind's totals in the current bucket
         ns: dict[int, int] = {}
 
-        def over(
-            total: list[int], pieces: list[tuple[int, int]], largest: int, peak: int, bound: int
-        ) -> bool:
-            return peak + largest > bound and any(total[r] and total[r] + n > bound for r, n in pieces)
-
         allowance = self.limit
         for j in order:
             owner, at_owner, spread = self.owners[j], self.at_owner[j], self.spread[j]
             grown = max(allowance, at_owner[HELD])  # (a matrix's own share is its size)
-            if not current or (
-                any(
-                    totals[w][owner] and totals[w][owner] + at_owner[w] > grown
-                    for w in OWNER_KINDS
-                    if w in bounded
-                )
-                or any(
-                    over(totals[w], pieces, largest, peaks[w], grown)
-                    for w, (pieces, largest) in zip(SPREAD_KINDS, spread, strict=True)
-                    if w in bounded
-                )
-            ):
+            if not current or self._over(j, totals, peaks, grown, bounded):
                 if current:
                     buckets.append(Bucket(tuple(current)))
                     loads.append(_load(peaks, ns))
@@ -463,6 +452,25 @@ class Cutter:
             buckets.append(Bucket(tuple(current)))
             loads.append(_load(peaks, ns))
         return Cut(tuple(buckets), tuple(loads))
+
+    def _over(
+        self, j: int, totals: list[list[int]], peaks: list[int], bound: int, bounded: frozenset[int]
+    ) -> bool:
+        """Whether matrix j would take some rank's share of a kind in ``bounded``, not empty yet,
+        past ``bound`` (the kinds' ``totals`` per rank and ``peaks`` so far)."""
+        owner, at_owner = self.owners[j], self.at_owner[j]
+        for w in OWNER_KINDS:
+            if w in bounded and totals[w][owner] and totals[w][owner] + at_owner[w] > bound:
+                return True
+        for w, (pieces, largest) in zip(SPREAD_KINDS, self.spread[j], strict=True):
+            total = totals[w]
+            if (
+                w in bounded
+                and peaks[w] + largest > bound
+                and any(total[r] and total[r] + n > bound for r, n in pieces)
+            ):
+                return True
+        return False
 
 
 def _load(peaks: Sequence[int], ns: dict[int, int]) -> Load:

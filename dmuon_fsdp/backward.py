@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.flags import StepKey, Verdict
 from dmuon_fsdp._step.program import StepProgram
-from dmuon_fsdp._step.run import StepRun, StepStats
+from dmuon_fsdp._step.run import StepRun
 from dmuon_fsdp._step.state import MuonStep, local_shard, muon_steps
 
 if TYPE_CHECKING:
@@ -239,11 +239,12 @@ class BackwardStart:
         groups: Sequence[dict[str, Any]],
         key: StepKey,
         options: Options,
-    ) -> tuple[Verdict, StepStats]:
+    ) -> tuple[Verdict, StepRun]:
         """The step from where backward left it (see the module docstring), with this rank's
-        gradients ``local`` (None when they do not fit ``program``); returns the verdict and what
-        this rank did. A verdict of ``REDO`` (gradients changed after backward read them, on some
-        rank) asks for the step again from the final gradients, as a plain step."""
+        gradients ``local`` (None when they do not fit ``program``); returns the verdict and the
+        run (what this rank did: its ``stats``). A verdict of ``REDO`` (gradients changed after
+        backward read them, on some rank) asks for the step again from the final gradients, as a
+        plain step."""
         progress, self._progress = self._progress, None  # hooks do nothing until armed again
         rebound = False
         if progress is not None and progress.program is not program:
@@ -276,7 +277,7 @@ class BackwardStart:
                 "accumulate with set_requires_gradient_sync(False), to keep the overlap (warned once)",
                 stacklevel=4,
             )
-        return verdict, run.stats
+        return verdict, run
 
 
 @torch.compiler.disable(recursive=True)  # compiled autograd calls it eagerly, never traces it

@@ -91,6 +91,7 @@ class Options:
     nonfinite: str = "raise"
     check_grads: bool = True
     overlap_backward: bool = False
+    overlap_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.ns_dtype is not None and not (
@@ -114,7 +115,7 @@ class Options:
             raise ValueError(f"ns_flops_per_byte must be a finite number >= 0, got {rate!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
-        for name in ("overlap", "time_phases", "check_grads", "overlap_backward"):
+        for name in ("overlap", "time_phases", "check_grads", "overlap_backward", "overlap_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -181,6 +182,7 @@ class Settings:
     check_grads: bool
     nonfinite: str
     in_backward: bool  # steps start in backward (``dmuon_fsdp.backward``): its plan, groups, carrier
+    in_forward: bool  # relays are finished in the next forward (``dmuon_fsdp.forward``): its plan
     structural: tuple[str, ...]  # ``structural_options()`` (variants are registered before optimizers)
 
     @classmethod
@@ -200,6 +202,7 @@ class Settings:
             float(options.ns_flops_per_byte),
             *checks,
             in_backward,
+            options.overlap_forward,
             structural_options(),
         )
 

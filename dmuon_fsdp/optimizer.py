@@ -65,6 +65,9 @@ class DMuonFSDP(Optimizer):
         check_grads (bool, optional): check each step that every rank steps the same parameters
             with the same options (``GradientMismatchError`` instead of a hang) (default: True)
         overlap_backward (bool, optional): start the first bucket in FSDP2's gradient hooks (default: False)
+        overlap_forward (bool, optional): leave the relays across replicas (HSDP, DDP) to the next
+            forward, each finished before the module using its parameters runs; read parameters
+            otherwise only after ``finish_step()`` (default: False)
         flatten (bool, optional): a >2-D weight is one matrix; False: ``dim0`` matrices (default: True)
         split_sizes (list of int, optional): orthogonalize these row blocks on their own (default: None)
         num_heads (int, optional): orthogonalize ``num_heads`` equal row blocks apart (default: None)
@@ -79,6 +82,7 @@ class DMuonFSDP(Optimizer):
     bucket_bytes = Option(settable=False)
     ns_flops_per_byte = Option(settable=False)
     overlap_backward = Option(settable=False)
+    overlap_forward = Option(settable=False)
     overlap = Option()
     time_phases = Option()
     nonfinite = Option()
@@ -110,6 +114,7 @@ class DMuonFSDP(Optimizer):
         nonfinite: str = "raise",
         check_grads: bool = True,
         overlap_backward: bool = False,
+        overlap_forward: bool = False,
         flatten: bool = True,
         split_sizes: list[int] | None = None,
         num_heads: int | None = None,
@@ -211,8 +216,17 @@ class DMuonFSDP(Optimizer):
             self._params, self._runtime = [p for _, p in self._indexed], Runtime()
             self._set_meshes(check_new_groups(self.param_groups, self._names, {}, {}))
 
+    def finish_step(self) -> None:
+        """Complete the updates the last step left in flight (``overlap_forward``: the relays
+        across replicas, else nothing). The next forward, a module's ``state_dict()``, this
+        optimizer's ``state_dict()``, ``load_state_dict()`` and ``step()`` call it; call it before
+        reading the parameters any other way (an EMA, norms to log, ``full_tensor()``)."""
+        self._runtime.forward.finish()
+
     def state_dict(self) -> dict[str, Any]:
-        """Torch's state dict (after following any parameters replaced in ``param_groups``)."""
+        """Torch's state dict (after following any parameters replaced in ``param_groups``, and
+        ``finish_step()``)."""
+        self.finish_step()
         self._follow_swaps()
         return super().state_dict()
 
@@ -221,6 +235,7 @@ class DMuonFSDP(Optimizer):
         after checking it matches parameter by parameter. Load pre-hooks run first, on the
         caller's dict, as torch documents. A parameter the dict holds no state for (never
         stepped, or frozen: torch's state-dict helpers leave those out) starts afresh."""
+        self.finish_step()
         self._follow_swaps()
         state_dict = state_dict.copy()  # shallow, as torch's: a hook may rewrite the dict it is given
         for hook in self._optimizer_load_state_dict_pre_hooks.values():

@@ -94,6 +94,7 @@ class QKClip:
         known = {p for group in optimizer.param_groups for p in group["params"]}
         names = _namer(optimizer, known)
         self.tau, self.alpha, self.layers, self.group = tau, float(alpha), tuple(layers), group
+        self._finish_step: Callable[[], None] = getattr(optimizer, "finish_step", lambda: None)
         self._ranges = [self._check(i, layer, known, names) for i, layer in enumerate(self.layers)]
         self._first_rows = {
             p: _first_row(p, names(p, f"shape {tuple(p.shape)}"))
@@ -175,6 +176,7 @@ class QKClip:
         host = table.cpu()  # the one device-to-host read
         self._raise_for(host[:, self.width :].tolist())
         if self.tau is not None:
+            self._finish_step()  # (the rows scaled must hold the whole step's update)
             self._scale(host[:, : self.width])
         return table[:, : self.width]
 

@@ -24,12 +24,14 @@ from torch import Tensor
 
 from dmuon_fsdp._step.buffers import (
     BACK,
+    PARTS,
     RELAY,
     SLOTS,
     TO,
     WORK,
     Pool,
     Region,
+    Slot,
     Wired,
     in_shape,
     piece_of,
@@ -106,6 +108,9 @@ def bind(
         buckets=buckets,
         relays=tuple(r for b in buckets for r in b.relays),
         relays_before=tuple(sum(len(b.relays) for b in buckets[:k]) for k in range(len(buckets) + 1)),
+        relay_last={
+            binder.entries[binder.entry_of(j)].param: g for g, r in enumerate(plan.relays) for j in r.matrices
+        },
         flags=flags,
         carrier=schedule.carrier,
         counts=counts,
@@ -159,6 +164,15 @@ class _Binder:
             else None
         )
         self.needed[WORK, 0] = work.used
+        # This rank's part of each matrix it relays, kept from its way back to its relay
+        parts = pool.regions()[PARTS, 0]
+        self.parts: dict[int, Slot] = {}
+        for wire in schedule.relays:
+            mine = {t.matrix: t for segment in wire.send for t in segment} if wire is not None else {}
+            self.parts.update(
+                (s.transfer.matrix, s) for s in staging(list(mine.values()), settings.comm_dtype, parts)
+            )
+        self.needed[PARTS, 0] = parts.used
         self.buckets = tuple(self.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
 
     def plan_bucket(self, k: int) -> tuple[int, ...]:
@@ -256,9 +270,8 @@ class _Binder:
         factors = self.carry_rows(
             bucket, to_owners, from_owners, owned_rows, back, spread, assemble, collect, writes
         )
-        relays = tuple(
-            self.relay(g, returned, factors) for g, relay in enumerate(self.plan.relays) if relay.bucket == k
-        )
+        keep = self.keep(k, returned, factors)
+        relays = tuple(self.relay(g) for g, relay in enumerate(self.plan.relays) if relay.bucket == k)
         for name, r in ((TO, to), (BACK, back)):
             self.needed[name, k % SLOTS] = max(self.needed[name, k % SLOTS], r.used)
         return BucketProgram(
@@ -273,31 +286,49 @@ class _Binder:
             from_owners.exchange,
             self.updates(returned, factors),
             writes,
+            keep,
             relays,
         )
 
-    def relay(
-        self, g: int, returned: Sequence[tuple[Transfer, Tensor]], factors: dict[Transfer, Tensor]
-    ) -> RelayProgram:
-        """Relay ``g`` ([Note: the relay] in ``dmuon_fsdp._step.relay``), in its slot: the parts
-        this rank relays, from what it holds of each result once its bucket's way back is
+    def keep(
+        self, k: int, returned: Sequence[tuple[Transfer, Tensor]], factors: dict[Transfer, Tensor]
+    ) -> Copies:
+        """The parts this rank relays of bucket ``k``'s matrices ([Note: the relay] in
+        ``dmuon_fsdp._step.relay``), from what it holds of each result once the way back is
         applied (``returned``: a transfer and its view per matrix; a row variant's new state,
-        already in place, and ``factors``), into the send buffer (``pack``); and what arrives,
-        applied (with its rows' new state into place and its factors into a buffer of the slot)."""
+        already in place, and ``factors``), into the parts buffer, where they wait for their
+        relay (after the bucket, or in the next forward)."""
+        comm_dtype = self.settings.comm_dtype
+        keep = Copies([], [])
+        held = {t.matrix: (t, view) for t, view in returned}
+        for j in self.plan_bucket(k):
+            if j not in self.parts:
+                continue
+            slot = self.parts[j]
+            t = slot.transfer
+            source, view = held[j]
+            first = t.piece.row - source.piece.row
+            keep.add(slot.piece, view[first : first + t.piece.rows])
+            if slot.numbers is not None:
+                state, factors_out = _state_and_factors(slot.numbers)
+                keep.add(state, as_wire(self.row_state(t), comm_dtype))
+                keep.add(factors_out, as_wire(factors[source][first : first + t.piece.rows], comm_dtype))
+        return keep
+
+    def relay(self, g: int) -> RelayProgram:
+        """Relay ``g`` ([Note: the relay] in ``dmuon_fsdp._step.relay``), in its slot: the parts
+        this rank relays, from the parts buffer into the send buffer (``pack``), once to each
+        twin; and what arrives, applied (with its rows' new state into place and its factors into
+        a buffer of the slot)."""
         comm_dtype = self.settings.comm_dtype
         region = self.pool.regions()[RELAY, g % SLOTS]
         wire = wired(self.schedule.relays[g], comm_dtype, region, self.settings.exchange_group.process_group)
         pack = Copies([], [])
-        held = {t.matrix: (t, view) for t, view in returned}
         for slot in wire.sent:
-            t = slot.transfer
-            source, view = held[t.matrix]
-            first = t.piece.row - source.piece.row
-            pack.add(slot.piece, view[first : first + t.piece.rows])
-            if slot.numbers is not None:
-                state, factors_out = _state_and_factors(slot.numbers)
-                pack.add(state, as_wire(self.row_state(t), comm_dtype))
-                pack.add(factors_out, as_wire(factors[source][first : first + t.piece.rows], comm_dtype))
+            kept = self.parts[slot.transfer.matrix]
+            pack.add(slot.piece, kept.piece)
+            if slot.numbers is not None and kept.numbers is not None:
+                pack.add(as_wire(slot.numbers), as_wire(kept.numbers))
         writes = Copies([], [])
         relayed: dict[Transfer, Tensor] = {}
         arriving = [slot for slot in wire.received if slot.numbers is not None]

@@ -113,11 +113,11 @@ SLOTS = 2  # buckets whose buffers are alive at once (see [Note: slots])
 ALIGN = 64  # bytes: every view starts on such a boundary (any dtype's, and vector loads')
 
 
-TO, BACK, RELAY, WORK = "to owners", "back", "relay", "workspace"
+TO, BACK, RELAY, WORK, PARTS = "to owners", "back", "relay", "workspace", "parts"
 
 
 def arena_names() -> list[tuple[str, int]]:
-    return [(way, s) for s in range(SLOTS) for way in (TO, BACK, RELAY)] + [(WORK, 0)]
+    return [(way, s) for s in range(SLOTS) for way in (TO, BACK, RELAY)] + [(WORK, 0), (PARTS, 0)]
 
 
 class Region:

@@ -248,13 +248,16 @@ def build_plan(
     element_size: int,
     param_of: Sequence[int] | None = None,
     flops_per_byte: float = 0.0,
+    forward_relays: bool = False,
 ) -> Plan:
     """Assign owners by NS cost (``costs[j]``, matrix j's flops) over all matrices and cut them
     into buckets in which no rank holds or moves more than ``bucket_bytes`` (in elements of
     ``element_size`` bytes; ``Cutter.cut``), shaped into a pipeline that ramps (``ramp``) when
     ``flops_per_byte`` (the NS flops a rank runs in the time its link moves one byte) is given;
     then each bucket's matrices with twins into relays in which no rank relays or receives by
-    relay more than ``bucket_bytes`` (a bucket's relays follow its way back one by one).
+    relay more than ``bucket_bytes`` (a bucket's relays follow its way back one by one), or, with
+    ``forward_relays``, all of them in parameter order (``param_of``; the next forward's order when
+    the parameters are listed in model order), after every bucket.
 
     A matrix that some ranks hold whole (a 1-row matrix, an expert of an expert-sharded stack,
     also when replicated) is owned by one of them: nothing is sent to its owner. Buckets follow
@@ -284,11 +287,17 @@ def build_plan(
         buckets = ramp(matrices, costs, order, cutter, flops_per_byte * element_size)
     else:
         buckets = cutter.cut(order).buckets
-    relays = tuple(
-        Relay(group.matrices, k)
-        for k, bucket in enumerate(buckets)
-        for group in cutter.cut([j for j in bucket.matrices if twins(matrices[j])], RELAY_KINDS).buckets
-    )
+    if forward_relays:
+        relayed = sorted(
+            (j for j in range(len(matrices)) if twins(matrices[j])), key=lambda j: (param_of[j], j)
+        )
+        groups = [(len(buckets) - 1, cutter.cut(relayed, RELAY_KINDS).buckets)]
+    else:
+        groups = [
+            (k, cutter.cut([j for j in b.matrices if twins(matrices[j])], RELAY_KINDS).buckets)
+            for k, b in enumerate(buckets)
+        ]
+    relays = tuple(Relay(group.matrices, k) for k, cut in groups for group in cut)
     return Plan(tuple(matrices), tuple(costs), tuple(owners), buckets, world_size, param_of, relays)
 
 

@@ -93,6 +93,7 @@ def plan_program(
         settings.comm_dtype.itemsize,
         param_of,
         settings.ns_flops_per_byte,
+        settings.in_forward,
     )
     trouble = bool(stale_layouts([p for _, p in every], state))
     group = site.process_group if key.checked else None

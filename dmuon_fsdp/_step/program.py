@@ -123,7 +123,8 @@ class Updates:
 class RelayProgram:
     """Relay ``index`` of a plan bound to its slot's buffers (relay g takes slot g % ``SLOTS``),
     in the order a step runs it once its bucket's way back arrived: ``pack`` fills its send
-    buffer with the parts this rank relays (and their rows' numbers), ``exchange`` carries them
+    buffer with the parts this rank relays (and their rows' numbers) from the parts buffer
+    (``BucketProgram.keep`` put them there), ``exchange`` carries them
     to the twins in other replicas, ``writes`` and ``updates`` apply what it brought ([Note: the
     relay] in ``dmuon_fsdp._step.relay``)."""
 
@@ -153,6 +154,7 @@ class BucketProgram:
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
     writes: Copies  # numbers returned with the results into place (after the verdict)
+    keep: Copies  # the parts this rank relays, with their rows' numbers, into the parts buffer
     relays: tuple[RelayProgram, ...]
 
 
@@ -241,6 +243,7 @@ class StepProgram:
     buckets: tuple[BucketProgram, ...]
     relays: tuple[RelayProgram, ...]  # every bucket's, in order (``BucketProgram.relays``)
     relays_before: tuple[int, ...]  # per bucket, the relays of the buckets before it (and in all)
+    relay_last: dict[Tensor, int]  # each parameter's last relay (those with none: absent)
     flags: Flags | None
     carrier: int
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields

@@ -65,16 +65,20 @@ class StepRun:
     program: StepProgram
     stats: StepStats
     overlap: bool = True  # launch bucket k + 1's exchange before bucket k's NS (the option)
+    deferred: bool = False  # the relays are left to the next forward (``overlap_forward``)
     launched: int = 0  # buckets whose exchange to the owners is launched
-    applied: int = 0  # buckets whose way back is applied (and relay launched)
+    applied: int = 0  # buckets whose way back is applied
+    relays_launched: int = 0
     relays_applied: int = 0
+    steps: Sequence[MuonStep | None] = ()  # the groups' per-step options (the relays' too)
     to_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
     from_owners: dict[int, comm.Handle | None] = field(default_factory=dict)
     relays: dict[int, comm.Handle | None] = field(default_factory=dict)
 
     @classmethod
     def of(cls, program: StepProgram, options: Options) -> StepRun:
-        return cls(program, StepStats(program.device, timed=options.time_phases), options.overlap)
+        stats = StepStats(program.device, timed=options.time_phases)
+        return cls(program, stats, options.overlap, options.overlap_forward)
 
     def ahead(self, k: int) -> int:
         """The last bucket whose exchange to the owners is launched before bucket ``k``'s pieces are
@@ -111,7 +115,7 @@ class StepRun:
         backward (the flags ask every rank to run the step again)."""
         program, stats = self.program, self.stats
         n, carrier = len(program.buckets), program.carrier
-        steps = muon_steps(groups, program.device)  # the per-step options, read once
+        steps = self.steps = muon_steps(groups, program.device)  # the per-step options, read once
         hyper = hyper_digest(groups) if program.flags is not None else 0  # every rank's alike?
         made = None if redo else local  # a rank that will ask for a redo makes nothing
         flags = partial(program.write_flags, key, hyper, tensor_options(groups), local, options.nonfinite)
@@ -147,7 +151,8 @@ class StepRun:
                 self.back_through(k, steps)
                 self.relay_through(program.relays_before[k + 1], steps)
         self.back_through(n - 1, steps)
-        self.relay_through(program.relays_before[n], steps)
+        if not self.deferred:
+            self.relay_through(program.relays_before[n], steps)
         assert local is not None  # the carrier (one of the buckets) had a GO verdict
         program.commit_momentum(local, steps, stats)
         stats.count(**program.counts)
@@ -186,23 +191,31 @@ class StepRun:
             with stats.phase("apply"):
                 if steps is not None:
                     bucket.writes.run()
-                for relay in bucket.relays:
-                    self.relay_through(relay.index - SLOTS + 1, steps)  # relay g takes g - 2's buffers
-                    if steps is not None:
-                        relay.pack.run()
-                    self.relays[relay.index] = (
-                        comm.launch(relay.exchange) if relay.exchange is not None else None
-                    )
+                    bucket.keep.run()
+                for relay in () if self.deferred else bucket.relays:
+                    self.launch_relay(relay.index, steps)
                 if steps is not None:
                     for u in bucket.updates:
                         u.apply(steps)
             self.applied = k + 1
 
+    def launch_relay(self, g: int, steps: Sequence[MuonStep | None] | None) -> None:
+        """Pack relay ``g`` (its parts kept) and launch it; relays launch in order, each once the
+        one two before it, whose buffers it takes, is applied."""
+        if g != self.relays_launched:
+            raise RuntimeError(f"relay {g} launched after {self.relays_launched}")
+        self.relay_through(g - SLOTS + 1, steps)
+        relay = self.program.relays[g]
+        if steps is not None:
+            relay.pack.run()
+        self.relays[g] = comm.launch(relay.exchange) if relay.exchange is not None else None
+        self.relays_launched += 1
+
     def relay_through(self, stop: int, steps: Sequence[MuonStep | None] | None) -> None:
         """Wait for the relays launched before relay ``stop`` and apply them (``steps`` None:
         discarded)."""
         relays = self.program.relays
-        for g in range(self.relays_applied, min(stop, len(self.relays) + self.relays_applied)):
+        for g in range(self.relays_applied, min(stop, self.relays_launched)):
             with self.stats.phase("wait"):
                 comm.wait(self.relays.pop(g))
             if steps is not None:
@@ -211,6 +224,21 @@ class StepRun:
                     for u in relays[g].updates:
                         u.apply(steps)
             self.relays_applied = g + 1
+
+    def finish_relays(self, stop: int) -> None:
+        """Launch and apply the relays a step left to the next forward (``deferred``) through relay
+        ``stop`` - 1, keeping ``SLOTS`` launched ahead while any is left."""
+        total = len(self.program.relays)
+        for g in range(self.relays_applied, min(stop, total)):
+            while self.relays_launched <= g:
+                self.launch_relay(self.relays_launched, self.steps)
+            self.relay_through(g + 1, self.steps)
+        while self.relays_launched < min(total, self.relays_applied + SLOTS):
+            self.launch_relay(self.relays_launched, self.steps)
+
+    @property
+    def relays_left(self) -> bool:
+        return self.relays_applied < len(self.program.relays)
 
     def abandon(self, verdict: Verdict) -> Verdict:
         """A step that does not go on: every exchange in flight waited for, nothing committed."""

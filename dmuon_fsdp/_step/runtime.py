@@ -33,6 +33,7 @@ from dmuon_fsdp._step.run import StepRun, StepStats
 from dmuon_fsdp._step.state import restore_state, stale_layouts
 from dmuon_fsdp.backward import BackwardStart, overlap_refusal
 from dmuon_fsdp.config import Options, Settings
+from dmuon_fsdp.forward import ForwardFinish
 
 
 @dataclass(frozen=True)
@@ -192,11 +193,12 @@ class ProgramCache:
 @dataclass(frozen=True)
 class Ran:
     """A step that ran: what this rank did, the verdict every rank shares (``committed``: ``GO``,
-    state was written) and the program it ran."""
+    state was written), the program it ran and the run (its relays left to the next forward)."""
 
     stats: StepStats
     verdict: Verdict
     program: StepProgram
+    run: StepRun
 
     @property
     def committed(self) -> bool:
@@ -211,9 +213,11 @@ class Runtime:
     def __init__(self) -> None:
         self.programs = ProgramCache()
         self.backward = BackwardStart()
+        self.forward = ForwardFinish()
         self.settings: Settings | None = None
         self._no_overlap_reason: str | None = None  # why steps do not begin in backward (said once)
         self._warned_no_grads = False  # a step without any gradient warns once
+        self._idle: str | None = None  # an option that has nothing to do (said once)
 
     def set_meshes(
         self,
@@ -230,6 +234,8 @@ class Runtime:
         self._no_overlap_reason = overlap_refusal(groups, names) if wanted else None
         device = params[0].device if params else torch.device("cpu")
         site = comm.exchange_site(meshes, params)
+        if options.overlap_forward:
+            self.forward.watch([p for g in groups if g["use_muon"] for p in g["params"]])
         self.settings = Settings.resolve(options, site, device, wanted and not self._no_overlap_reason)
 
     def set_options(self, options: Options, device: torch.device | None = None) -> None:
@@ -249,6 +255,7 @@ class Runtime:
         verdict, the same on every rank, asks for: raise alike, run again from the final
         gradients (redo), a skip, the new key's program run once more (rebuild); then, for steps
         begun in backward, the hooks armed for the next backward."""
+        self.forward.finish()  # what the last step left to a forward that did not come
         if params and params[0].device != self.ready().device:  # moved (model.to, to_empty)
             self.set_options(options, params[0].device)
         settings = self.ready()
@@ -259,6 +266,8 @@ class Runtime:
         if ran.verdict is Verdict.REBUILD:  # every rank's gradients or options changed alike
             self.programs.follow()
             ran = self._run(key, grads, params, groups, state, names, options)
+        if ran.committed and settings.in_forward:
+            self.forward.defer(ran.run, ran.program)
         if ran.verdict is not Verdict.REBUILD and settings.in_backward:
             if self.programs.repeated:  # the next backward starts this program's buckets
                 self.backward.arm(ran.program, groups, options)
@@ -285,20 +294,21 @@ class Runtime:
         program = ready.program
         local = program.local_grads(grads) if ready.bound and key == program.key else None
         if settings.in_backward:
-            verdict, stats = self.backward.run(program, local, groups, key, options)
+            verdict, run = self.backward.run(program, local, groups, key, options)
         else:
             run = StepRun.of(program, options)
-            verdict, stats = run.run(local, groups, key, options, ready.agreement), run.stats
+            verdict = run.run(local, groups, key, options, ready.agreement)
         if verdict is Verdict.REDO:  # gradients changed after backward read them: from the final ones
             run = StepRun.of(program, options)
-            verdict, stats = run.run(local, groups, key, options), run.stats
-            stats.redone = True
+            verdict = run.run(local, groups, key, options)
+            run.stats.redone = True
+        stats = run.stats
         stats.skipped = verdict is Verdict.SKIP
         stats.buffer_bytes = self.programs.buffer_bytes
         stats.settle_times()
         if verdict is Verdict.RAISE:
             self.programs.raise_alike(groups, state, names, settings, shared=program.flags is not None)
-        return Ran(stats, verdict, program)
+        return Ran(stats, verdict, program, run)
 
     def say_once(self, params: Sequence[Tensor]) -> None:
         """After a step: why steps do not begin in backward, and a step without any gradient

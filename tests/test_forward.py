@@ -1,0 +1,117 @@
+"""Steps finished in the next forward (``overlap_forward=True``): under HSDP and DDP the relays
+across replicas are left in flight by ``step()`` and finished before each module that uses their
+parameters runs. Every forward sees the parameters a plain step leaves, bitwise, and so does
+everything that reads them after ``finish_step()``, a module's ``state_dict()`` or the next
+``step()``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+
+from dmuon_fsdp import DMuonFSDP
+from tests.support.paired_runs import BUCKET, Stack, inputs, sharded, snapshot
+from tests.support.spawn import run_ranks
+from tests.support.training import full
+
+STEPS = 4
+
+
+def make(layout, world_size):
+    if layout == "ddp":
+        return DistributedDataParallel(Stack())
+    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("replicate", "shard"))
+    return sharded(mesh)
+
+
+def forward_pairs(rank, world_size, layout, options):
+    """The plain step and ``overlap_forward`` side by side: each step's losses (the forward after
+    the last step), whether reading the parameters right after ``step()`` saw rows still in
+    flight, and what differs at the end (after ``finish_step()``)."""
+    runs = []
+    for later in (False, True):
+        model = make(layout, world_size)
+        params = (model.module if layout == "ddp" else model).parameters()
+        opt = DMuonFSDP(params, lr=0.02, bucket_bytes=BUCKET, overlap_forward=later, **options)
+        runs.append((model, opt))
+    losses, in_flight = [], []
+    for step in range(STEPS):
+        values = []
+        for model, opt in runs:
+            loss = model(inputs(step)).pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            values.append(loss.detach())
+        losses.append(values)
+        (plain, _), (later, _) = runs
+        pairs = zip(plain.parameters(), later.parameters(), strict=True)
+        in_flight.append(any(not torch.equal(full(p), full(q)) for p, q in pairs))  # read too early
+    runs[1][1].finish_step()
+    a, b = (snapshot(model, opt) for model, opt in runs)
+    differing = [n for n in a if not torch.equal(a[n], b[n])]
+    return losses, in_flight, differing, runs[1][1].plan.relays != ()
+
+
+@pytest.mark.parametrize("world_size", [4, 6, 8])
+def test_hsdp_forward_sees_the_plain_step(world_size):
+    for losses, in_flight, differing, relays in run_ranks(forward_pairs, world_size, "hsdp", {}, timeout=300):
+        assert relays, "an HSDP plan relays across replicas"
+        assert all(torch.equal(a, b) for a, b in losses), (
+            "a forward saw other parameters than the plain step's"
+        )
+        assert any(in_flight), "step() left nothing in flight"
+        assert differing == []
+
+
+def test_ddp_and_normuon_begun_in_backward():
+    """Plain tensors under DDP (every rank a replica: each Linear's own hook finishes its weight),
+    and NorMuon with steps begun in backward on HSDP, each against its plain step."""
+    for layout, world_size, options in (
+        ("ddp", 3, {}),
+        ("hsdp", 4, {"variant": "normuon", "overlap_backward": True}),
+    ):
+        for losses, in_flight, differing, relays in run_ranks(forward_pairs, world_size, layout, options):
+            assert relays and any(in_flight)
+            assert all(torch.equal(a, b) for a, b in losses) and differing == []
+
+
+def reads_before_a_forward(rank, world_size):
+    """What reads the parameters between ``step()`` and the next forward sees (a module's
+    ``state_dict()``, the next ``step()`` without a forward) against the plain step."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    runs = []
+    for later in (False, True):
+        model = sharded(mesh)
+        runs.append(
+            (model, DMuonFSDP(model.parameters(), lr=0.02, bucket_bytes=BUCKET, overlap_forward=later))
+        )
+    seen = []
+    for step in range(3):
+        for model, opt in runs:
+            if step < 2:  # the third step reuses the second's gradients: no forward comes between
+                opt.zero_grad()
+                model(inputs(step)).pow(2).sum().backward()
+            opt.step()
+        states = [{n: full(v) for n, v in model.state_dict().items()} for model, _ in runs]
+        seen.append([n for n in states[0] if not torch.equal(states[0][n], states[1][n])])
+    return seen
+
+
+def test_state_dicts_and_steps_without_a_forward_finish_the_relays():
+    for seen in run_ranks(reads_before_a_forward, 4):
+        assert seen == [[], [], []]
+
+
+def flat(rank, world_size):
+    model = sharded()
+    opt = DMuonFSDP(model.parameters(), lr=0.02, bucket_bytes=BUCKET, overlap_forward=True)
+    model(inputs(0)).pow(2).sum().backward()
+    opt.step()
+    return opt.plan.relays
+
+
+def test_flat_fsdp_has_nothing_to_relay():
+    assert run_ranks(flat, 2) == [(), ()]

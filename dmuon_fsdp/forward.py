@@ -44,7 +44,7 @@ class ForwardFinish:
     (``watch``), and their hooks."""
 
     def __init__(self) -> None:
-        self._run: StepRun | None = None
+        self.run: StepRun | None = None  # the step whose relays are in flight
         self._last: dict[Tensor, int] = {}  # each parameter's last relay in the program deferred
         # Muon parameters without a module found yet, by id (a WeakSet compares tensors by value)
         self._wanted: dict[int, weakref.ref[Tensor]] = {}
@@ -91,7 +91,7 @@ class ForwardFinish:
         """``run``'s relays are left to the next forward: launch the first ones; finish now the
         relays of parameters no module was found for."""
         self.finish()
-        self._run, self._last = run, program.relay_last
+        self.run, self._last = run, program.relay_last
         found = {id(p) for params in self._uses.values() for p in params}
         orphans = [g for p, g in self._last.items() if id(p) not in found]
         run.finish_relays(max(orphans, default=-1) + 1)
@@ -101,7 +101,7 @@ class ForwardFinish:
         """A hooked module's forward (or FSDP2's all-gather of it) is about to run: finish every
         relay through the last one holding its parameters, or those of the modules FSDP2
         prefetches with it."""
-        run = self._run
+        run = self.run
         if run is None:
             return
         used = [p for m in _with_prefetched(module) for p in self._uses.get(m, ())]
@@ -114,17 +114,14 @@ class ForwardFinish:
     @torch.no_grad()
     def finish(self) -> None:
         """Finish every relay left in flight."""
-        if self._run is not None:
-            self._run.finish_relays(len(self._run.program.relays))
-        self._run = None
+        if self.run is not None:
+            self.run.finish_relays(len(self.run.program.relays))
+        self.run = None
 
     def _done(self) -> None:
-        if self._run is not None and not self._run.relays_left:
-            self._run = None
+        if self.run is not None and not self.run.relays_left:
+            self.run = None
 
-    @property
-    def pending(self) -> bool:
-        return self._run is not None
 
 
 def _dead() -> None:

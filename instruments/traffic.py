@@ -172,6 +172,10 @@ class Traffic:
         """Each bucket's exchanges ``way`` on the network, one after another."""
         return [sum(e.seconds(self.network) for e in bucket[way]) for bucket in self.exchanges]
 
+    def relay_seconds(self) -> list[float]:
+        """Each relay on the network, in order."""
+        return [e.seconds(self.network) for bucket in self.exchanges for e in bucket["relay"]]
+
     def total(self, field: str, ways: Sequence[str] = WAYS) -> np.ndarray:
         """Every rank's elements of ``field`` (an ``Exchange`` attribute) over the step."""
         parts = [getattr(e, field) for b in self.exchanges for w in ways for e in b[w]]

@@ -78,11 +78,35 @@ def layouts(model: str, mesh: Mesh) -> list[MatrixLayout]:
     return [replicated(m, replicas) for m in rows] if replicas > 1 else rows
 
 
-def plan_of(model: str, mesh: Mesh, args: argparse.Namespace) -> Plan:
+def plan_of(model: str, mesh: Mesh, args: argparse.Namespace, forward_relays: bool = False) -> Plan:
     costs = ns_costs(MODELS[model], args.ns_algorithms[0], args.ns_steps)
     world = mesh[0] * mesh[1]
     bucket = args.bucket_mib * 2**20
-    return build_plan(layouts(model, mesh), costs, world, bucket, WIRE_BYTES, None, args.ns_flops_per_byte)
+    matrices = layouts(model, mesh)
+    return build_plan(
+        matrices, costs, world, bucket, WIRE_BYTES, None, args.ns_flops_per_byte, forward_relays
+    )
+
+
+def forward_with_relays(relays: list[float], needed: list[int], layers: list[float], start: float) -> float:
+    """When the next forward ends, from ``start`` (the end of the step, every relay's parts kept),
+    when its layer i (``layers[i]`` seconds, in order) may start only once the relays through
+    ``needed[i]`` arrived (``relays[g]`` seconds each, one at a time on the link): the first two
+    are launched at the step's end, each next one when a layer's hook applies the one two before
+    it (``dmuon_fsdp.forward``)."""
+    applied: dict[int, float] = {}  # relay: when a hook applied it
+    ends: list[float] = []
+    clock = start
+    for layer, last in zip(layers, needed, strict=True):
+        while len(ends) <= last:
+            g = len(ends)
+            launch = start if g < 2 else applied.get(g - 2, clock)
+            ends.append(max(launch, ends[-1] if ends else start) + relays[g])
+        clock = max(clock, ends[last] if last >= 0 else start)
+        for g in range(last + 1):
+            applied.setdefault(g, clock)
+        clock += layer
+    return clock
 
 
 def end_to_end(model: str, mesh: Mesh, plan: Plan, relayed: bool, args: argparse.Namespace) -> dict:
@@ -143,10 +167,46 @@ def end_to_end(model: str, mesh: Mesh, plan: Plan, relayed: bool, args: argparse
             "step_ms": (forward + step_end) * 1e3,
             "over_adamw": (forward + step_end) / adamw - 1,
         }
+    if relayed and plan.relays:
+        row["overlap_forward"] = _finished_in_forward(model, mesh, args, network, ns, started, layer_seconds)
+        row["overlap_forward"]["over_adamw"] = row["overlap_forward"]["step_ms"] / (adamw * 1e3) - 1
     # (module docstring; the first layer's matrices come first in the shape lists)
     bound = one_owner_bound(plan, range(per_layer), 1 / rate, network)
     row["one_owner_bound_ms"] = (bound + elementwise) * 1e3
     return row
+
+
+def _finished_in_forward(
+    model: str,
+    mesh: Mesh,
+    args: argparse.Namespace,
+    network: Network,
+    ns: list[dict[int, float]],
+    started: list[float],
+    layer_seconds: list[float],
+) -> dict:
+    """The step with ``overlap_backward`` and ``overlap_forward``: its relays, in parameter order,
+    left to the next forward (``forward_with_relays``); the forward's delay counts as the step's."""
+    plan = plan_of(model, mesh, args, forward_relays=True)
+    traffic = Traffic.of(plan, network)
+    seconds = {way: traffic.seconds(way) for way in WAYS[:2]} | {"relay": [0.0] * len(plan.buckets)}
+    backward, forward = sum(layer_seconds), sum(layer_seconds) / 2
+    elementwise = elementwise_seconds(sum(r * c for r, c in MODELS[model]), mesh[1], args)
+    line = timeline(seconds, ns, backward, started)
+    step_end = line.end + elementwise
+    per_layer = len(MODELS[model]) // len(layer_seconds)
+    needed = [
+        max((plan.relay_of[j] for j in range(i * per_layer, (i + 1) * per_layer)), default=-1)
+        for i in range(len(layer_seconds))
+    ]
+    forwards = [s / 2 for s in layer_seconds]  # forward: half of backward, layer by layer
+    delay = forward_with_relays(traffic.relay_seconds(), needed, forwards, step_end) - step_end - forward
+    return {
+        "exposed_ms": (step_end - backward) * 1e3,
+        "forward_delay_ms": delay * 1e3,
+        "relay_ms": sum(traffic.relay_seconds()) * 1e3,
+        "step_ms": (forward + step_end + delay) * 1e3,
+    }
 
 
 def _grad_sync_load(params: int, mesh: Mesh, network: Network, backward: float) -> float:
@@ -254,6 +314,9 @@ def print_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Non
         "vs AdamW",
         "overlap_backward ms",
         "vs AdamW",
+        "+ overlap_forward ms",
+        "vs AdamW",
+        "relays ms (forward delay)",
         "exposed ms",
         "one-owner bound ms",
         "path: NS / to / back / relay / spill ms",
@@ -267,6 +330,16 @@ def print_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Non
     for model, rows in results.items():
         for r in rows:
             overlap, path = r["overlap"], r["overlap"]["path_ms"]
+            later = r.get("overlap_forward")
+            forward_cells = (
+                [
+                    f"{later['step_ms']:.1f}",
+                    f"{later['over_adamw']:+.2%}",
+                    f"{later['relay_ms']:.1f} ({later['forward_delay_ms']:.1f})",
+                ]
+                if later
+                else ["-", "-", "-"]
+            )
             print_row(
                 [
                     model,
@@ -279,6 +352,7 @@ def print_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Non
                     f"{r['plain_pipelined']['over_adamw']:+.2%}",
                     f"{overlap['step_ms']:.1f}",
                     f"{overlap['over_adamw']:+.2%}",
+                    *forward_cells,
                     f"{overlap['exposed_ms']:.1f}",
                     f"{r['one_owner_bound_ms']:.1f}",
                     " / ".join(f"{path[k]:.1f}" for k in ("NS", "to owners", "back", "relay", "spill")),

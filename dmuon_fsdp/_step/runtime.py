@@ -255,7 +255,8 @@ class Runtime:
         verdict, the same on every rank, asks for: raise alike, run again from the final
         gradients (redo), a skip, the new key's program run once more (rebuild); then, for steps
         begun in backward, the hooks armed for the next backward."""
-        self.forward.finish()  # what the last step left to a forward that did not come
+        if self.forward.run is not None:  # what the last step left to a forward that did not come
+            self.forward.finish()
         if params and params[0].device != self.ready().device:  # moved (model.to, to_empty)
             self.set_options(options, params[0].device)
         settings = self.ready()

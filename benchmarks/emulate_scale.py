@@ -9,11 +9,13 @@ exact results) while:
   every matmul inside ``step()`` (mm, bmm, addmm, baddbmm, ``.out`` forms included) for its flops
   counted as if every dimension were S times larger (x S^3) at ``--tflops``; elementwise work
   and host work run for real (on a GPU both are small beside these matrices' Newton-Schulz);
-- every all-to-all crosses one link shared by all exchanges at ``--link-gbs``: it starts once
-  every rank's device has reached it (its data is ready) and the exchange launched before it
-  has ended, and lasts the busiest rank's larger of bytes sent and received (x S^2, own segment
-  aside); the device's later work waits for it (a table in shared memory; ``CLOCK_MONOTONIC`` is
-  shared by the processes);
+- every all-to-all crosses one link shared by all exchanges: it starts once every rank's device
+  has reached it (its data is ready) and the exchange launched before it has ended, and lasts
+  its busiest rank's time: the larger of bytes sent and received (x S^2, own segment aside) at
+  ``--link-gbs``, or, with nodes (``--gpus-per-node``, or ``--replicas`` R: HSDP with a replica
+  a node), the slower of its two tiers (to ranks of its node at ``--node-gbs``, to others at
+  ``--link-gbs``), plus ``--latency-us`` per peer; the device's later work waits for it (a table
+  in shared memory; ``CLOCK_MONOTONIC`` is shared by the processes);
 - a step ends when its rank's device is through (the host sleeps until then).
 
 The device and the link run ``--dilation`` times slower than stated and the times measured are
@@ -39,12 +41,18 @@ world size, medians over ``--steps`` timed steps after warm-up, contenders in tu
   fast link is what the buckets cost in host work;
 - ``StepStats.buffer_bytes`` of rank 0 for the model and one ``--deeper`` times deeper;
 - with ``--before REV``, the default and one-bucket steps of the package as it was at git
-  revision REV (its ``dmuon_fsdp`` exported to a temporary folder and imported from there).
+  revision REV (its ``dmuon_fsdp`` exported to a temporary folder and imported from there);
+- with ``--replicas`` R > 1 (HSDP R x W / R, the weights replicated over the mesh's first dim),
+  also the steps with ``overlap_forward`` (default buckets and one bucket), and after each step
+  the next forward of the layers (modules that only read their weights) timed apart: what the
+  relays left to it cost when no compute hides them. The one-owner bound is over both tiers.
 
     python -m benchmarks.emulate_scale --before 552dc0a      # W = 8 and 16, ~10 minutes on 2 cores
     python -m benchmarks.emulate_scale --world-sizes 8 --layers 8 --scale 64 --tflops 50 \
         --link-gbs 5 --dilation 1 --fast-link 1e6             # the issue-42 setting, host work in
     python -m benchmarks.emulate_scale --world-sizes 16 --layers 2    # fewer matrices than ranks
+    python -m benchmarks.emulate_scale --world-sizes 8 --replicas 4 --layers 8 --latency-us 5 \
+        --before ec845b2                                      # HSDP 4 x 2, a replica a node
 """
 
 from __future__ import annotations
@@ -135,17 +143,27 @@ class EmulatedDevice(TorchDispatchMode):
 
 
 class PacedLink:
-    """``dist.all_to_all_single`` paced on one shared link (see the module docstring), in stream
-    order with ``device``: an exchange starts once every rank's device reached it and the one
-    before it ended, lasts the busiest rank's bytes / ``bandwidth``, and the device's later work
-    waits for it. ``table`` (shared by the ranks) holds, per exchange in launch order, each rank's
-    bytes and ready time."""
+    """``dist.all_to_all_single`` paced on the network (see the module docstring), in stream order
+    with ``device``: an exchange starts once every rank's device reached it and the one before it
+    ended, and lasts its busiest rank's time: the slower of its two links (bytes to ranks of its
+    node over ``near`` bytes/s, to other nodes over ``far``, the larger of sent and received,
+    x S^2) and ``latency`` seconds per peer; the device's later work waits for it. ``table``
+    (shared by the ranks) holds, per exchange in launch order, each rank's time on the link and
+    ready time. ``node_of[r]``: the node of global rank r."""
 
     def __init__(
-        self, table: torch.Tensor, rank: int, scale: int, bandwidth: float, device: EmulatedDevice
+        self,
+        table: torch.Tensor,
+        rank: int,
+        scale: int,
+        near: float,
+        far: float,
+        latency: float,
+        node_of: list[int],
+        device: EmulatedDevice,
     ) -> None:
         self.table, self.rank, self.device = table, rank, device
-        self.square, self.bandwidth = scale**2, bandwidth
+        self.square, self.near, self.far, self.latency, self.node_of = scale**2, near, far, latency, node_of
         self.launched = 0
         self.ends: list[float] = []
         self.real = dist.all_to_all_single
@@ -163,17 +181,25 @@ class PacedLink:
             raise ValueError("PacedLink paces exchanges with split sizes (as DMuonFSDP's)")
         n = self.launched
         self.launched += 1
-        me = dist.get_rank(group)
-        sent = sum(input_split_sizes) - input_split_sizes[me]
-        received = sum(output_split_sizes) - output_split_sizes[me]
-        self.table[n, self.rank, 0] = max(sent, received) * input.element_size() * self.square
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        me, size = self.rank, input.element_size() * self.square
+        tiers = {True: [0, 0], False: [0, 0]}  # near / far: [sent, received]
+        peers = 0
+        for peer, sent, received in zip(ranks, input_split_sizes, output_split_sizes, strict=True):
+            if peer != me and (sent or received):
+                near = self.node_of[peer] == self.node_of[me]
+                tiers[near][0] += sent
+                tiers[near][1] += received
+                peers += 1
+        seconds = max(max(tiers[True]) * size / self.near, max(tiers[False]) * size / self.far)
+        self.table[n, self.rank, 0] = seconds + peers * self.latency
         self.table[n, self.rank, 1] = max(time.monotonic(), self.device.busy_until)
         work = self.real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         return _PacedWork(work, self, n)
 
     def duration(self, n: int) -> float:
         """How long exchange ``n`` holds the link (every rank has launched it)."""
-        return float(self.table[n, :, 0].max()) / self.bandwidth
+        return float(self.table[n, :, 0].max())
 
     def end(self, n: int) -> float:
         """When exchange ``n`` leaves the link (every exchange before it is complete in the table)."""
@@ -196,22 +222,41 @@ class _PacedWork:
 
 
 def make_params(layers: int, scale: int, mesh: DeviceMesh) -> list[torch.nn.Parameter]:
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """The layers' weights, sharded by rows over the mesh's last dim (FSDP2; HSDP on a 2-D mesh,
+    replicated over its first)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     gen = torch.Generator().manual_seed(0)
     shapes = layer_shapes(scale) * layers
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     return [
-        torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen) * 0.02, mesh, [Shard(0)]))
+        torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen) * 0.02, mesh, placements))
         for s in shapes
     ]
 
 
+class Layer(torch.nn.Module):
+    """A layer's weights, and a forward that only reads them: the next forward of the model, whose
+    modules' pre-hooks finish what ``overlap_forward`` left in flight."""
+
+    def __init__(self, weights: list[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
+    """Random gradients, equal on the ranks that hold the same rows (replicas: HSDP averages them)."""
     from torch.distributed.tensor import DTensor
 
-    gen = torch.Generator().manual_seed(1000 + step + dist.get_rank())
+    gen = None
     for p in params:
         assert isinstance(p, DTensor)  # (make_params distributes every parameter)
+        if gen is None:
+            coordinate = p.device_mesh.get_coordinate()
+            gen = torch.Generator().manual_seed(1000 + step + (coordinate[-1] if coordinate else 0))
         local = torch.randn(p.to_local().shape, generator=gen)
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
@@ -219,14 +264,23 @@ def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
 @dataclass(frozen=True)
 class Contender:
     """One run's settings: the package (None: this checkout), ``bucket_bytes`` at full size, the
-    ramp (False: ``ns_flops_per_byte=0``; one bucket is every matrix in one) and the link's
-    speed-up."""
+    ramp (False: ``ns_flops_per_byte=0``; one bucket is every matrix in one), the links' speed-up
+    and ``overlap_forward`` (its relays finished between steps, untimed, as a forward would)."""
 
     name: str
     package: str | None
     bucket: int
     ramp: bool = True
     link_factor: float = 1.0
+    later: bool = False
+
+
+def network_of(args: argparse.Namespace, world: int) -> tuple[int, float, float]:
+    """(GPUs a node, bytes/s within a node, bytes/s between nodes) emulated: one node at
+    ``--link-gbs`` unless ``--gpus-per-node`` (default: a replica's ranks with ``--replicas``)."""
+    per_node = args.gpus_per_node or (world // args.replicas if args.replicas > 1 else world)
+    near = (args.node_gbs if per_node < world else args.link_gbs) * 1e9
+    return per_node, near, args.link_gbs * 1e9
 
 
 def rank_main(
@@ -249,14 +303,23 @@ def rank_main(
     import dmuon_fsdp
     from dmuon_fsdp import DMuonFSDP
 
-    mesh = init_device_mesh("cpu", (world,))
+    shape = (args.replicas, world // args.replicas) if args.replicas > 1 else (world,)
+    mesh = init_device_mesh("cpu", shape)
     device = EmulatedDevice(args.tflops * 1e12 / args.dilation, args.scale)
-    bandwidth = args.link_gbs * 1e9 * contender.link_factor / args.dilation
-    link = PacedLink(table, rank, args.scale, bandwidth, device)
+    per_node, near, far = network_of(args, world)
+    speed = contender.link_factor / args.dilation
+    nodes = [r // per_node for r in range(world)]
+    link = PacedLink(
+        table, rank, args.scale, near * speed, far * speed, args.latency_us * 1e-6 / speed, nodes, device
+    )
     dist.all_to_all_single = link.all_to_all_single  # the package calls it through the module
     result: dict = {"package": str(Path(dmuon_fsdp.__file__).parent)}
     scaled = max(1, bucket // args.scale**2)
-    options = dict(lr=0.02, ns_dtype=torch.bfloat16, comm_dtype=torch.bfloat16, bucket_bytes=scaled)
+    options: dict[str, Any] = dict(
+        lr=0.02, ns_dtype=torch.bfloat16, comm_dtype=torch.bfloat16, bucket_bytes=scaled
+    )
+    if contender.later:
+        options["overlap_forward"] = True
     if "ns_flops_per_byte" in inspect.signature(DMuonFSDP).parameters:  # (not in older packages)
         # The planner sees the real (shrunk) matrices: flops S^3 and bytes S^2 times fewer than the
         # emulated ones, so its link-to-flops ratio is the hardware's / S, and its host work per
@@ -267,46 +330,22 @@ def rank_main(
 
         pipeline.BUCKET_HOST_FLOPS /= args.scale**3
     params = make_params(args.layers, args.scale, mesh)
+    per_layer = len(params) // args.layers
+    model = torch.nn.Sequential(*(Layer(params[i : i + per_layer]) for i in range(0, len(params), per_layer)))
     opt = DMuonFSDP(params, **options)
-    starts: list[float] = []
-    ends: list[float] = []
-    exchanges: list[range] = []
-    for step in range(args.warmup + args.steps):
-        set_grads(params, step)
-        dist.barrier()
-        device.busy_until, device.flops = 0.0, 0
-        first = link.launched
-        start = time.monotonic()
-        with device:
-            opt.step()
-        device.synchronize()  # the step is done when the device is
-        starts.append(start)
-        ends.append(time.monotonic())
-        exchanges.append(range(first, link.launched))
-    times = torch.tensor([starts, ends], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    total_flops = torch.tensor([float(device.flops)], dtype=torch.float64)
-    dist.all_reduce(total_flops)  # one step's NS flops of every rank: the job's
-    steps = ((times[1] - times[0])[args.warmup :] / args.dilation).tolist()
-    busy = [sum(link.duration(n) for n in ran) / args.dilation for ran in exchanges[args.warmup :]]
+    result.update(timed_steps(opt, model, params, device, link, args, world))
     plan, stats = opt.plan, opt.last_step_stats
     assert plan is not None and stats is not None  # (opt has stepped)
     if package is None:  # this checkout's plan (instruments import its package)
         from instruments.plans import one_owner_bound
         from instruments.traffic import Network
 
-        # at full size: flops S^3 and bytes S^2 times the shrunk matrices'; every gradient is ready;
-        # one link: every rank in one node
+        # at full size: flops S^3 and bytes S^2 times the shrunk matrices'; every gradient is ready
         flops_s = args.scale**3 / (args.tflops * 1e12)
-        one_link = Network(world, args.link_gbs, args.link_gbs, 0.0, 2 * args.scale**2)
-        result["bound_s"] = one_owner_bound(plan, range(len(plan.matrices)), flops_s, one_link)
+        network = Network(per_node, near / 1e9, far / 1e9, 0.0, 2 * args.scale**2)
+        result["bound_s"] = one_owner_bound(plan, range(len(plan.matrices)), flops_s, network)
     result.update(
-        step_s=statistics.median(steps),
-        steps_s=steps,
-        link_busy_s=statistics.median(busy),
-        floor_s=float(total_flops) / world / (args.tflops * 1e12),
-        buckets=len(plan.buckets),
-        buffer_bytes=stats.buffer_bytes,
+        buckets=len(plan.buckets), relays=len(getattr(plan, "relays", ())), buffer_bytes=stats.buffer_bytes
     )
     if contender.name.endswith("default") and contender.link_factor == 1:  # memory of a deeper model
         deeper = make_params(args.layers * args.deeper, args.scale, mesh)
@@ -322,6 +361,56 @@ def rank_main(
         Path(out).write_text(json.dumps(result))
     let_threads_run()  # gloo's threads drop the tensors of plain collectives first
     dist.destroy_process_group()
+
+
+def timed_steps(
+    opt: Any,
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    device: EmulatedDevice,
+    link: PacedLink,
+    args: argparse.Namespace,
+    world: int,
+) -> dict:
+    """Warm-up, then timed steps: their times (the slowest rank's, each from a barrier to its
+    device being through), the link's busy time per step, the NS floor; and the next forward of
+    ``model`` after each, timed apart (its pre-hooks finish what ``overlap_forward`` left in
+    flight: for the others, nothing)."""
+    starts: list[float] = []
+    ends: list[float] = []
+    finished: list[float] = []
+    exchanges: list[range] = []
+    model(torch.zeros(1))  # (the forward before the first step, in which modules are found)
+    for step in range(args.warmup + args.steps):
+        set_grads(params, step)
+        dist.barrier()
+        device.busy_until, device.flops = 0.0, 0
+        first = link.launched
+        start = time.monotonic()
+        with device:
+            opt.step()
+        device.synchronize()  # the step is done when the device is
+        starts.append(start)
+        ends.append(time.monotonic())
+        with device:
+            model(torch.zeros(1))
+        device.synchronize()
+        finished.append(time.monotonic())
+        exchanges.append(range(first, link.launched))
+    times = torch.tensor([starts, ends, finished], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    total_flops = torch.tensor([float(device.flops)], dtype=torch.float64)
+    dist.all_reduce(total_flops)  # one step's NS flops of every rank: the job's
+    steps = ((times[1] - times[0])[args.warmup :] / args.dilation).tolist()
+    later = ((times[2] - times[1])[args.warmup :] / args.dilation).tolist()
+    busy = [sum(link.duration(n) for n in ran) / args.dilation for ran in exchanges[args.warmup :]]
+    return {
+        "step_s": statistics.median(steps),
+        "steps_s": steps,
+        "finished_later_s": statistics.median(later),
+        "link_busy_s": statistics.median(busy),
+        "floor_s": float(total_flops) / world / (args.tflops * 1e12),
+    }
 
 
 def free_port() -> int:
@@ -354,7 +443,21 @@ def main() -> None:
     parser.add_argument("--deeper", type=int, default=4)
     parser.add_argument("--scale", type=int, default=128, help="S: every dimension / S")
     parser.add_argument("--tflops", type=float, default=400.0, help="emulated bf16 matmul rate")
-    parser.add_argument("--link-gbs", type=float, default=50.0, help="the shared link, GB/s")
+    parser.add_argument(
+        "--link-gbs", type=float, default=50.0, help="GB/s of the one shared link (between nodes, with nodes)"
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="R: HSDP, each world size as R replicas x W / R shards"
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="ranks a node (consecutive), within which exchanges move at --node-gbs (default: one replica's "
+        "ranks with --replicas, else every rank in one node at --link-gbs)",
+    )
+    parser.add_argument("--node-gbs", type=float, default=450.0, help="GB/s within a node (with nodes)")
+    parser.add_argument("--latency-us", type=float, default=0.0, help="latency per peer of an exchange")
     parser.add_argument(
         "--dilation",
         type=float,
@@ -413,14 +516,24 @@ def contenders_of(args: argparse.Namespace) -> list[Contender]:
             Contender("default fast", None, DEFAULT_BUCKET, link_factor=args.fast_link),
             Contender("one fast", None, ONE_BUCKET, ramp=False, link_factor=args.fast_link),
         ]
+    if args.replicas > 1:
+        out.append(Contender("forward", None, DEFAULT_BUCKET, later=True))
+        out.append(Contender("forward one", None, ONE_BUCKET, ramp=False, later=True))
     return out
 
 
 def print_table(results: dict, args: argparse.Namespace) -> None:
+    nodes = (
+        f"{args.gpus_per_node or 'a replica of'} ranks a node at {args.node_gbs:g} GB/s, "
+        f"{args.link_gbs:g} GB/s between nodes, {args.latency_us:g} us a peer"
+        if args.replicas > 1 or args.gpus_per_node
+        else f"{args.link_gbs:g} GB/s shared link"
+    )
+    mesh = f"HSDP {args.replicas} x W / {args.replicas}, " if args.replicas > 1 else ""
     print(
-        f"## Emulated GPUs: Llama-3-8B-shaped layers / {args.scale} ({args.layers} layers), "
+        f"## Emulated GPUs: Llama-3-8B-shaped layers / {args.scale} ({args.layers} layers), {mesh}"
         "bf16 NS and wire, "
-        f"{args.tflops:g} TFLOP/s, {args.link_gbs:g} GB/s shared link; medians of {args.steps} steps x "
+        f"{args.tflops:g} TFLOP/s, {nodes}; medians of {args.steps} steps x "
         f"{args.rounds} rounds (device and link run {args.dilation:g}x slower, times divided back)\n"
     )
     fast = (
@@ -440,6 +553,7 @@ def print_table(results: dict, args: argparse.Namespace) -> None:
         "one-owner bound ms",
         "default / bound",
         "default / one bucket",
+        *(["overlap_forward step ms (its relays, after) ms"] if args.replicas > 1 else []),
         *fast,
         "buffer KiB (rank 0, real size)",
         f"{args.deeper}x deeper KiB",
@@ -464,6 +578,11 @@ def print_table(results: dict, args: argparse.Namespace) -> None:
                 f"{d['step_s'] / d['bound_s']:.2f}x" if "bound_s" in d else "-",
                 f"{d['step_s'] / one['step_s']:.2f}x",
             ]
+            if args.replicas > 1:
+                later = results.get(f"W={world} forward") if not prefix else None
+                cells.append(
+                    f"{later['step_s'] * 1e3:.1f} ({later['finished_later_s'] * 1e3:.1f})" if later else "-"
+                )
             if args.fast_link:
                 df, of = (
                     results.get(f"W={world} {prefix}default fast"),

@@ -123,7 +123,6 @@ class ForwardFinish:
             self.run = None
 
 
-
 def _dead() -> None:
     return None
 
@@ -138,9 +137,14 @@ def _call(owner: weakref.ref, name: str, *args: Any) -> None:
 
 def _gathered(module: nn.Module) -> list[Tensor]:
     """The parameters a module's forward reads: an FSDP2 module all-gathers its own and those of
-    submodules no other FSDP2 module manages; any other module reads its direct ones."""
+    submodules no other FSDP2 module manages; any other module reads its direct ones and those of
+    its parameter containers (``nn.ParameterList``, ``nn.ParameterDict``: they have no forward)."""
     if not isinstance(module, FSDPModule):
-        return list(module.parameters(recurse=False))
+        held = [
+            module,
+            *(c for c in module.children() if isinstance(c, (nn.ParameterList, nn.ParameterDict))),
+        ]
+        return [p for m in held for p in m.parameters(recurse=False)]
     inner = [sub for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
     nested = {id(p) for sub in inner for p in sub.parameters()}
     return [p for p in module.parameters() if id(p) not in nested]

@@ -282,7 +282,7 @@ def build_plan(
     param_of = tuple(param_of) if param_of is not None else tuple(range(len(matrices)))
     limit = max(1, bucket_bytes // element_size)
     shares = [bucket_shares(m, o) for m, o in zip(matrices, owners, strict=True)]
-    cutter = Cutter(shares, costs, owners, limit, world_size)
+    cutter = Cutter(shares, costs, owners, limit, world_size, relays_in_step=not forward_relays)
     if flops_per_byte > 0 and len(matrices) > 1:
         buckets = ramp(matrices, costs, order, cutter, flops_per_byte * element_size)
     else:
@@ -398,9 +398,16 @@ class Cutter:
     elements in any rank's share of a bucket."""
 
     def __init__(
-        self, shares: Shares, costs: Sequence[int], owners: Sequence[int], limit: int, world_size: int
+        self,
+        shares: Shares,
+        costs: Sequence[int],
+        owners: Sequence[int],
+        limit: int,
+        world_size: int,
+        relays_in_step: bool = True,
     ) -> None:
         self.costs, self.owners, self.limit, self.world_size = costs, owners, limit, world_size
+        self.relays_in_step = relays_in_step  # (else a bucket's load has no relay: the forward's)
         # Per matrix: its owner's shares (held, taken, returned: kinds of one rank each) and, per
         # kind of ``SPREAD_KINDS``, the pieces other ranks move, with the largest.
         self.at_owner: list[list[int]] = []
@@ -440,7 +447,7 @@ class Cutter:
             if not current or self._over(j, totals, peaks, grown, bounded):
                 if current:
                     buckets.append(Bucket(tuple(current)))
-                    loads.append(_load(peaks, ns))
+                    loads.append(_load(peaks, ns, self.relays_in_step))
                 current, ns = [], {}
                 totals, peaks = [[0] * world for _ in SHARES], [0] * len(SHARES)
                 grown = max(self.limit, at_owner[HELD])
@@ -459,7 +466,7 @@ class Cutter:
                 peaks[w] = peak
         if current:
             buckets.append(Bucket(tuple(current)))
-            loads.append(_load(peaks, ns))
+            loads.append(_load(peaks, ns, self.relays_in_step))
         return Cut(tuple(buckets), tuple(loads))
 
     def _over(
@@ -482,14 +489,11 @@ class Cutter:
         return False
 
 
-def _load(peaks: Sequence[int], ns: dict[int, int]) -> Load:
-    """A bucket's ``pipeline.Load`` from the peaks of its shares and its owners' NS flops."""
-    return Load(
-        max(peaks[SENT], peaks[TAKEN]),
-        max(peaks[RETURNED], peaks[RECEIVED]),
-        ns,
-        max(peaks[RELAYED], peaks[RELAYED_IN]),
-    )
+def _load(peaks: Sequence[int], ns: dict[int, int], relays: bool = True) -> Load:
+    """A bucket's ``pipeline.Load`` from the peaks of its shares and its owners' NS flops (and
+    its relays', when they follow it in the step)."""
+    relay = max(peaks[RELAYED], peaks[RELAYED_IN]) if relays else 0
+    return Load(max(peaks[SENT], peaks[TAKEN]), max(peaks[RETURNED], peaks[RECEIVED]), ns, relay)
 
 
 def ramp(

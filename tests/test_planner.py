@@ -12,7 +12,7 @@ import torch
 
 from dmuon_fsdp._step.layouts import MatrixLayout, Piece
 from dmuon_fsdp._step.pipeline import BUCKET_HOST_FLOPS, Load, cut_flops, step_flops
-from dmuon_fsdp._step.planner import RECEIVED, RETURNED, SENT, TAKEN, assign_owners, bucket_shares, build_plan
+from dmuon_fsdp._step.planner import assign_owners, build_plan
 from instruments.plans import (
     assignment_lower_bound,
     chunk_row_counts,
@@ -57,11 +57,24 @@ SHAPE_MIX = [(5, 256), (1, 128), (37, 64), (768, 256), (256, 768), (64, 64), (64
 
 
 def shares(plan, bucket):
-    """Each rank's shares of a bucket (``planner.SHARES``), in elements."""
+    """Each rank's shares of a bucket, in elements, from what the plan says moves: the matrices it
+    holds whole (as their owner), sends to their owners and takes as one, returns and gets back."""
     out = {}
+
+    def add(which, rank, n):
+        out[which, rank] = out.get((which, rank), 0) + n
+
     for j in bucket.matrices:
-        for which, r, n in bucket_shares(plan.matrices[j], plan.owners[j]):
-            out[which, r] = out.get((which, r), 0) + n
+        m, owner = plan.matrices[j], plan.owners[j]
+        add("held", owner, m.numel)
+        for r in plan.senders[j] - {owner}:
+            add("sent to owners", r, m.pieces[r].numel)
+            add("taken by owners", owner, m.pieces[r].numel)
+        for r, piece in enumerate(m.pieces):
+            first, stop = plan.returned(j, r)
+            if r != owner and stop > first:
+                add("sent back", owner, (stop - first) * piece.cols)
+                add("received back", r, (stop - first) * piece.cols)
     return out
 
 
@@ -272,8 +285,10 @@ def predicted(plan, flops_per_byte, element_size=2):
         totals, ns = shares(plan, bucket), {}
         for j in bucket.matrices:
             ns[plan.owners[j]] = ns.get(plan.owners[j], 0) + plan.costs[j]
-        busiest = {w: max((n for (which, _), n in totals.items() if which == w), default=0) for w in range(5)}
-        loads.append(Load(max(busiest[SENT], busiest[TAKEN]), max(busiest[RETURNED], busiest[RECEIVED]), ns))
+        kinds = ("sent to owners", "taken by owners", "sent back", "received back")
+        busiest = {w: max((n for (which, _), n in totals.items() if which == w), default=0) for w in kinds}
+        to_owners = max(busiest["sent to owners"], busiest["taken by owners"])
+        loads.append(Load(to_owners, max(busiest["sent back"], busiest["received back"]), ns))
     return step_flops(loads, flops_per_byte * element_size), loads
 
 

@@ -1,7 +1,8 @@
-"""A 1024-rank job without a cluster: a few of its ranks, each a process of its own under torch's
-fake process group (collectives do nothing), record what every collective of two steps would
-move. Every rank issues the same collectives in the same order, and every pair of sampled ranks
-agrees on what each all-to-all moves between them: what one sends the other expects."""
+"""A 1024-rank job without a cluster (and an HSDP job of 4096: 512 replicas of 8, the relay across
+them included): a few of its ranks, each a process of its own under torch's fake process group
+(collectives do nothing), record what every collective of two steps would move. Every rank
+issues the same collectives in the same order, and every pair of sampled ranks agrees on what
+each all-to-all moves between them: what one sends the other expects."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from tests.support.spawn import run_sampled
 
 WORLD = 1024
 SAMPLED = [0, 1, 2, 511, 700, 1023]
+HSDP_WORLD = 4096  # 512 replicas of 8: ranks 8 apart are twins
+HSDP_SAMPLED = [0, 1, 8, 9, 2048, 4095]
 # Rows from fewer than one per rank to a few per rank: most ranks hold empty shards of some
 SHAPES = {"a": (2048, 24), "b": (700, 48), "c": (1030, 16), "d": (96, 300), "e": (3000, 8), "f": (5, 64)}
 
@@ -63,8 +66,10 @@ def recorded(rank, world_size, layout):
         model = Weights(SHAPES)
         if layout == "fsdp":
             mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
-        else:
+        elif layout == "hsdp":
             mesh = init_device_mesh("cpu", (8, WORLD // 8), mesh_dim_names=("replicate", "shard"))
+        else:  # HSDP across nodes: a replica a node of 8
+            mesh = init_device_mesh("cpu", (world_size // 8, 8), mesh_dim_names=("replicate", "shard"))
         fully_shard(model, mesh=mesh)
         groups = model.named_parameters()
     # no check flags: a fake exchange brings none back, and the steps must run every bucket
@@ -76,17 +81,20 @@ def recorded(rank, world_size, layout):
     return collectives.calls
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "moe"])
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "moe", "hsdp4096"])
 def test_every_pair_of_ranks_agrees_on_what_moves_between_them(layout):
-    results = run_sampled(recorded, WORLD, SAMPLED, layout)
-    records = dict(zip(SAMPLED, results, strict=True))
+    world, sampled = (HSDP_WORLD, HSDP_SAMPLED) if layout == "hsdp4096" else (WORLD, SAMPLED)
+    results = run_sampled(recorded, world, sampled, layout, timeout=300)
+    records = dict(zip(sampled, results, strict=True))
     sequences = {tuple((name, ranks) for name, ranks, _, _ in calls) for calls in records.values()}
     assert len(sequences) == 1, "the ranks issue different collectives"
     assert any(name == "all_to_all_single" for name, _ in next(iter(sequences)))
-    moved = 0
-    for a, b in itertools.permutations(SAMPLED, 2):
+    moved: dict[tuple[int, int], int] = {}
+    for a, b in itertools.permutations(sampled, 2):
         for (name, ranks, _, sent), (_, _, received, _) in zip(records[a], records[b], strict=True):
             if name == "all_to_all_single" and a in ranks and b in ranks:
                 assert sent[ranks.index(b)] == received[ranks.index(a)], (a, b)
-                moved += sent[ranks.index(b)]
-    assert moved > 0, "the sampled ranks exchange nothing: the check would see nothing"
+                moved[a, b] = moved.get((a, b), 0) + sent[ranks.index(b)]
+    assert sum(moved.values()) > 0, "the sampled ranks exchange nothing: the check would see nothing"
+    if layout == "hsdp4096":  # twins in two replicas (nodes) relay to each other
+        assert moved.get((0, 8), 0) > 0 and moved.get((8, 0), 0) > 0

@@ -15,11 +15,13 @@ tensor in a job of W ranks is replicated on all of them (DDP). A parameter viewe
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
+from typing import TypeVar, cast
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -69,16 +71,68 @@ class MatrixLayout:
     def replica(self, rank: int) -> int:
         return self.replicas[rank] if self.replicas else 0
 
-    def senders(self, owner: int) -> list[int]:
+    def senders(self, owner: int) -> frozenset[int]:
         """Ranks that send their pieces to ``owner``: one copy of each, from owner's replica."""
-        mine = self.replica(owner)
-        return [r for r, piece in enumerate(self.pieces) if piece.numel and self.replica(r) == mine]
+        return holding(self).senders(self.replica(owner))
 
     @property
     def full_holders(self) -> tuple[int, ...]:
         """Ranks holding the whole matrix: an owner among them needs nothing sent to it."""
-        return tuple(r for r, piece in enumerate(self.pieces) if self.numel and piece.numel == self.numel)
+        return holding(self).full
 
+
+@dataclass(frozen=True)
+class Holding:
+    """Who holds what of a matrix, as arrays over the ranks, made once for every matrix with the
+    same pieces and replicas (one per shape and layout of a parameter, whatever the number of
+    layers: ``holding``), so that planning takes time and memory that grow with matrices plus
+    ranks, not their product."""
+
+    numel: np.ndarray  # each rank's piece's elements
+    replica: np.ndarray  # each rank's replica index (all 0: one copy)
+    holders: dict[int, np.ndarray]  # each replica's ranks with a piece, ascending
+    full: tuple[int, ...]  # ranks holding the whole matrix
+    _senders: dict[int, frozenset[int]] = field(default_factory=dict, compare=False, repr=False)
+
+    def senders(self, replica: int) -> frozenset[int]:
+        """The ranks of ``replica`` holding a piece (one copy of every piece)."""
+        if replica not in self._senders:
+            self._senders[replica] = frozenset(self.holders.get(replica, np.empty(0, np.int64)).tolist())
+        return self._senders[replica]
+
+
+_BY_LAYOUT: dict[tuple[str, int, int], tuple[MatrixLayout, object]] = {}
+
+
+def by_layout(kind: str, m: MatrixLayout, make: Callable[[MatrixLayout], T]) -> T:
+    """``make(m)``, made once for every matrix whose pieces and replicas are the same tuples as
+    ``m``'s (``kind`` names what is made)."""
+    key = (kind, id(m.pieces), id(m.replicas))
+    found = _BY_LAYOUT.get(key)
+    if found is not None and found[0].pieces is m.pieces and found[0].replicas is m.replicas:
+        return cast(T, found[1])
+    made = make(m)
+    if len(_BY_LAYOUT) > 4096:
+        _BY_LAYOUT.clear()
+    _BY_LAYOUT[key] = (m, made)  # (the layout keeps the keyed tuples alive)
+    return made
+
+
+def holding(m: MatrixLayout) -> Holding:
+    """``m``'s ``Holding`` (shared by the matrices with its pieces and replicas)."""
+    return by_layout("holding", m, _holding)
+
+
+def _holding(m: MatrixLayout) -> Holding:
+    numel = np.array([p.rows * p.cols for p in m.pieces], dtype=np.int64)
+    replica = np.array(m.replicas, dtype=np.int64) if m.replicas else np.zeros(len(m.pieces), np.int64)
+    held = np.nonzero(numel)[0]
+    holders = {int(q): held[replica[held] == q] for q in np.unique(replica)}
+    full = tuple(np.nonzero(numel == m.numel)[0].tolist()) if m.numel else ()
+    return Holding(numel, replica, holders, full)
+
+
+T = TypeVar("T")
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, local shape) of one rank's block
 
@@ -225,7 +279,7 @@ def param_boxes(
     shape = tuple(param.shape)
     if not isinstance(param, DTensor):
         count = len(ranks) if ranks is not None else 1
-        return (((0,) * len(shape), shape),) * count, (tuple(range(count)) if count > 1 else None)
+        return _whole(shape, count)
     mesh, placements = param.device_mesh, tuple(param.placements)
     ranks = tuple(ranks) if ranks is not None else tuple(sorted(mesh.mesh.flatten().tolist()))
     mesh_shape = tuple(mesh.shape)
@@ -244,7 +298,32 @@ def param_boxes(
             f"{boxes[me][0]} of shape {boxes[me][1]} at coordinate {tuple(coordinate)}, but DTensor "
             f"places offset {tuple(offset)} shape {tuple(local)}, local shard {tuple(param.to_local().shape)}"
         )
-    inner = replica_indices(mesh_shape, placements)  # within one copy of the mesh
+    key = (shape, mesh, placements, ranks)
+    if key not in _PLACED:  # (made once per shape and layout, for every rank of the exchange)
+        if len(_PLACED) > 256:
+            _PLACED.clear()
+        _PLACED[key] = _placed(boxes, mesh, placements, ranks, name)
+    return _PLACED[key]
+
+
+_PLACED: dict[tuple, tuple[tuple[Box, ...], tuple[int, ...] | None]] = {}
+
+
+@lru_cache(maxsize=64)
+def _whole(shape: tuple[int, ...], count: int) -> tuple[tuple[Box, ...], tuple[int, ...] | None]:
+    """A tensor whole on each of ``count`` ranks, each its own replica (DDP)."""
+    return (((0,) * len(shape), shape),) * count, (tuple(range(count)) if count > 1 else None)
+
+
+def _placed(
+    boxes: tuple[Box, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    ranks: tuple[int, ...],
+    name: str,
+) -> tuple[tuple[Box, ...], tuple[int, ...] | None]:
+    """The blocks ``boxes`` of every copy of ``mesh`` among ``ranks``, and each rank's replica."""
+    inner = replica_indices(tuple(mesh.shape), placements)  # within one copy of the mesh
     per_copy = max(inner) + 1 if inner else 1
     copies = copies_over(mesh, ranks, name)
     placed: dict[int, tuple[Box, int]] = {}  # global rank -> (its box, its replica index)
@@ -311,6 +390,36 @@ def describe_param(
     shape = tuple(param.shape)
     boxes, replicas = param_boxes(param, name, ranks)
     placements = str(getattr(param, "placements", "(plain tensor)"))
+    split = tuple(split_sizes) if split_sizes is not None else None
+    key = (id(boxes), id(replicas), shape, flatten, split, num_heads)
+    found = _MATRICES.get(key)
+    if found is None or found[0] is not boxes or found[1] is not replicas:
+        if len(_MATRICES) > 256:
+            _MATRICES.clear()
+        matrices = _matrices(shape, boxes, flatten, split_sizes, num_heads, name, placements)
+        found = _MATRICES[key] = (boxes, replicas, matrices)  # (keeps the keyed tuples alive)
+    return [
+        MatrixLayout(name + label, rows, cols, pieces, replicas) for label, rows, cols, pieces in found[2]
+    ]
+
+
+_MATRICES: dict[
+    tuple, tuple[tuple[Box, ...], tuple[int, ...] | None, list[tuple[str, int, int, tuple[Piece, ...]]]]
+] = {}
+
+
+def _matrices(
+    shape: tuple[int, ...],
+    boxes: tuple[Box, ...],
+    flatten: bool,
+    split_sizes: list[int] | None,
+    num_heads: int | None,
+    name: str,
+    placements: str,
+) -> list[tuple[str, int, int, tuple[Piece, ...]]]:
+    """(label, rows, cols, pieces) of each matrix of a parameter of ``shape`` whose ranks hold
+    ``boxes`` (see ``describe_param``), made once per shape and layout: parameters of one shape
+    and layout share their pieces."""
     stacked = not flatten and len(shape) > 2
     row_dim = 1 if stacked else 0
     columns = [
@@ -318,7 +427,7 @@ def describe_param(
     ]
     cols = math.prod(shape[row_dim + 1 :])
     blocks = row_blocks(name, shape[row_dim], split_sizes, num_heads)
-    layouts = []
+    out = []
     for expert in range(shape[0] if stacked else 1):
         for first, size in blocks:
             pieces = []
@@ -330,10 +439,10 @@ def describe_param(
                     continue
                 local_row = lo - offset[row_dim] + ((expert - offset[0]) * local[1] if stacked else 0)
                 pieces.append(Piece(lo - first, hi - lo, c0, c1 - c0, local_row))
-            label = name + (f"[{expert}]" if stacked else "")
+            label = f"[{expert}]" if stacked else ""
             label += f"[rows {first}:{first + size}]" if len(blocks) > 1 else ""
-            layouts.append(MatrixLayout(label, size, cols, tuple(pieces), replicas))
-    return layouts
+            out.append((label, size, cols, tuple(pieces)))
+    return out
 
 
 def describe_params(

@@ -15,8 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from dmuon_fsdp._step.layouts import MatrixLayout
-from dmuon_fsdp._step.pipeline import Load, cut_flops
+import numpy as np
+
+from dmuon_fsdp._step.cutter import RELAY_KINDS, Cut, Cutter, shares_of
+from dmuon_fsdp._step.layouts import MatrixLayout, by_layout, holding
+from dmuon_fsdp._step.pipeline import cut_flops
 from dmuon_fsdp._step.relay import Cuts, even_shares, in_class, twins
 
 
@@ -58,12 +61,8 @@ class Plan:
     world_size: int
     param_of: tuple[int, ...]
     relays: tuple[Relay, ...] = ()
-    _cuts: dict[tuple[int, tuple[int, ...]], Cuts] = field(
-        default_factory=dict, compare=False, hash=False, repr=False
-    )
-    _shares: dict[tuple[int, ...], list[float]] = field(
-        default_factory=dict, compare=False, hash=False, repr=False
-    )
+    _cuts: dict[tuple[int, int], Cuts] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _shares: dict[int, list[float]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @cached_property
     def senders(self) -> tuple[frozenset[int], ...]:
@@ -86,18 +85,18 @@ class Plan:
         """The parts of the class of twins ``ranks`` in relay ``g`` (``relay.Cuts``): each twin's
         share of every relay is the same, sized by what it sends in the step besides
         (``loads``), so that its elements sent in the step come out as even as they can."""
-        key = (g, ranks)
+        key = (g, id(ranks))  # (a class of twins is one tuple: relay.Twins)
         if key not in self._cuts:
             first = ranks[0]
-            if ranks not in self._shares:
+            if id(ranks) not in self._shares:
                 held = sum(m.pieces[first].numel for m in self.matrices if in_class(m, ranks))
                 loads = self.loads
-                self._shares[ranks] = even_shares([loads.get(r, 0) for r in ranks], held, len(ranks) - 1)
+                self._shares[id(ranks)] = even_shares([loads.get(r, 0) for r in ranks], held, len(ranks) - 1)
             members = [j for j in self.relays[g].matrices if in_class(self.matrices[j], ranks)]
             shapes = [
                 (self.matrices[j].pieces[first].rows, self.matrices[j].pieces[first].cols) for j in members
             ]
-            self._cuts[key] = Cuts.of(members, shapes, self._shares[ranks])
+            self._cuts[key] = Cuts.of(members, shapes, self._shares[id(ranks)], ranks)
         return self._cuts[key]
 
     @cached_property
@@ -135,6 +134,17 @@ class Plan:
             return 0, rows
         return self.relayed(j, rank)
 
+    def relayed_from(self, j: int, rank: int) -> list[tuple[int, int, int]]:
+        """(twin, first, stop): the rows [first, stop) of ``rank``'s piece of matrix j that each
+        twin relays to it; none in the owner's replica (it got them all from the owner)."""
+        t = twins(self.matrices[j])
+        if t is None or rank not in t.of or self.relay_of[j] < 0 or self.in_owners_replica(j, rank):
+            return []
+        c, me = t.of[rank]
+        ranks = t.classes[c]
+        cuts = self.cuts(self.relay_of[j], ranks)
+        return [(ranks[p], *cuts.rows_of(j, p)) for p in cuts.positions(j) if p != me]
+
     def relays_to(self, j: int, rank: int) -> tuple[int, ...]:
         """The twins ``rank`` relays its part of matrix j to: those outside the owner's replica."""
         t = twins(self.matrices[j])
@@ -148,7 +158,7 @@ class Plan:
         """A checksum of everything ranks must agree on to exchange, the matrices' names included
         (same-shaped parameters listed in another order on one rank would otherwise exchange
         rows of different matrices)."""
-        shapes = [(m.name, m.rows, m.cols, m.pieces, m.replicas) for m in self.matrices]
+        shapes = [(m.name, m.rows, m.cols, _layout_digest(m)) for m in self.matrices]
         buckets = [b.matrices for b in self.buckets]
         relays = [(r.matrices, r.bucket) for r in self.relays]
         return zlib.crc32(repr((shapes, self.costs, self.owners, buckets, relays)).encode())
@@ -176,8 +186,14 @@ class Plan:
                         total += (stop - first) * other.cols
             if piece.numel:
                 first, stop = self.relayed(j, rank)
-                total += (stop - first) * piece.cols * len(self.relays_to(j, rank))
+                if stop > first:
+                    total += (stop - first) * piece.cols * len(self.relays_to(j, rank))
         return total
+
+
+def _layout_digest(m: MatrixLayout) -> int:
+    """A checksum of ``m``'s pieces and replicas (made once per layout)."""
+    return by_layout("digest", m, lambda _: zlib.crc32(repr((m.pieces, m.replicas)).encode()))
 
 
 def assign_owners(
@@ -281,12 +297,13 @@ def build_plan(
     )
     param_of = tuple(param_of) if param_of is not None else tuple(range(len(matrices)))
     limit = max(1, bucket_bytes // element_size)
-    shares = [bucket_shares(m, o) for m, o in zip(matrices, owners, strict=True)]
+    shares = [shares_of(m, o) for m, o in zip(matrices, owners, strict=True)]
     cutter = Cutter(shares, costs, owners, limit, world_size, relays_in_step=not forward_relays)
     if flops_per_byte > 0 and len(matrices) > 1:
-        buckets = ramp(matrices, costs, order, cutter, flops_per_byte * element_size)
+        cut = ramp(matrices, costs, order, cutter, flops_per_byte * element_size)
     else:
-        buckets = cutter.cut(order).buckets
+        cut = cutter.cut(order).buckets
+    buckets = tuple(Bucket(b) for b in cut)
     if forward_relays:
         relayed = sorted(
             (j for j in range(len(matrices)) if twins(matrices[j])), key=lambda j: (param_of[j], j)
@@ -297,7 +314,7 @@ def build_plan(
             (k, cutter.cut([j for j in b.matrices if twins(matrices[j])], RELAY_KINDS).buckets)
             for k, b in enumerate(buckets)
         ]
-    relays = tuple(Relay(group.matrices, k) for k, cut in groups for group in cut)
+    relays = tuple(Relay(group, k) for k, groups_of in groups for group in groups_of)
     return Plan(tuple(matrices), tuple(costs), tuple(owners), buckets, world_size, param_of, relays)
 
 
@@ -310,190 +327,22 @@ def _check_tiles(matrices: Sequence[MatrixLayout], costs: Sequence[int], world_s
     for m in matrices:
         if len(m.pieces) != world_size:
             raise ValueError(f"matrix {m.name!r} has pieces for {len(m.pieces)} ranks, not {world_size}")
-        for replica in set(m.replicas or (0,)):
-            held = sum(p.numel for r, p in enumerate(m.pieces) if m.replica(r) == replica)
-            if held != m.numel:
-                raise ValueError(
-                    f"matrix {m.name!r} ({m.rows}x{m.cols}): the pieces of replica {replica} hold "
-                    f"{held} elements, not {m.numel}"
-                )
+        h = holding(m)
+        held = np.bincount(h.replica, weights=h.numel)
+        wrong = np.nonzero(held != m.numel)[0]
+        if len(wrong):
+            raise ValueError(
+                f"matrix {m.name!r} ({m.rows}x{m.cols}): the pieces of replica {int(wrong[0])} hold "
+                f"{int(held[wrong[0]])} elements, not {m.numel}"
+            )
 
 
 def _class_ids(m: MatrixLayout) -> dict[int, int] | None:
     """Each holder of ``m``'s class of twins, by its first rank (None: no twins)."""
     copies = twins(m)
-    return {r: copies.classes[c][0] for r, (c, _) in copies.of.items()} if copies is not None else None
-
-
-def bucket_shares(m: MatrixLayout, owner: int) -> list[tuple[int, int, int]]:
-    """What matrix ``m``, owned by ``owner``, adds to the ranks' shares of a bucket, as (one of
-    ``SHARES``, rank, elements): the whole matrix in its owner's stack, each sender's piece in
-    the exchange to the owner (sent by it, taken by the owner), what the owner returns to each
-    other holder (``Plan.returned``: its piece, or its part outside the owner's replica), and,
-    for a matrix with twins, about (R - 1) / R of each holder's piece relayed and received by
-    relay (the parts' exact rows depend on the bucket: ``Plan.relayed``)."""
-    replicas = m.replicas or (0,) * len(m.pieces)
-    copies = twins(m)
-    parts = copies.count if copies is not None else 1
-    mine, returned, taken = replicas[owner], 0, 0
-    out = [(HELD, owner, m.numel)]
-    for r, piece in enumerate(m.pieces):
-        n = piece.rows * piece.cols  # (``numel``, inline: the planner's hottest loop at scale)
-        if not n:
-            continue
-        home = replicas[r] == mine
-        if r != owner:
-            if home:
-                out.append((SENT, r, n))
-                taken += n
-            back = n if home else -(-n // parts)
-            out.append((RECEIVED, r, back))
-            returned += back
-        if copies is not None:
-            out.append((RELAYED, r, n - n // parts))
-            if not home:
-                out.append((RELAYED_IN, r, n - n // parts))
-    if taken:
-        out.append((TAKEN, owner, taken))
-    if returned:
-        out.append((RETURNED, owner, returned))
-    return out
-
-
-HELD, SENT, TAKEN, RETURNED, RECEIVED, RELAYED, RELAYED_IN = range(7)
-
-
-SHARES = (  # a rank's, per bucket
-    "held",
-    "sent to owners",
-    "taken by owners",
-    "sent back",
-    "received back",
-    "relayed",
-    "received by relay",
-)
-
-OWNER_KINDS = (HELD, TAKEN, RETURNED)  # the owner's alone
-SPREAD_KINDS = (SENT, RECEIVED, RELAYED, RELAYED_IN)  # every holder's
-BUCKET_KINDS = frozenset((HELD, TAKEN, RETURNED, SENT, RECEIVED))  # the shares a bucket bounds
-RELAY_KINDS = frozenset((RELAYED, RELAYED_IN))  # and a relay
-
-Shares = Sequence[Sequence[tuple[int, int, int]]]  # ``bucket_shares`` of every matrix
-
-
-@dataclass(frozen=True)
-class Cut:
-    """Buckets cut from a sequence of matrices, each with its ``pipeline.Load``."""
-
-    buckets: tuple[Bucket, ...]
-    loads: tuple[Load, ...]
-
-    def __add__(self, other: Cut) -> Cut:
-        return Cut(self.buckets + other.buckets, self.loads + other.loads)
-
-
-class Cutter:
-    """Cuts sequences of a plan's matrices into buckets (``cut``), given every matrix's shares
-    (``bucket_shares``), NS cost and owner, over ``world_size`` ranks, with at most ``limit``
-    elements in any rank's share of a bucket."""
-
-    def __init__(
-        self,
-        shares: Shares,
-        costs: Sequence[int],
-        owners: Sequence[int],
-        limit: int,
-        world_size: int,
-        relays_in_step: bool = True,
-    ) -> None:
-        self.costs, self.owners, self.limit, self.world_size = costs, owners, limit, world_size
-        self.relays_in_step = relays_in_step  # (else a bucket's load has no relay: the forward's)
-        # Per matrix: its owner's shares (held, taken, returned: kinds of one rank each) and, per
-        # kind of ``SPREAD_KINDS``, the pieces other ranks move, with the largest.
-        self.at_owner: list[list[int]] = []
-        self.spread: list[list[tuple[list[tuple[int, int]], int]]] = []
-        for added in shares:
-            at_owner = [0] * len(SHARES)
-            moved: dict[int, list[tuple[int, int]]] = {w: [] for w in SPREAD_KINDS}
-            for w, r, n in added:
-                if w in moved:
-                    moved[w].append((r, n))
-                else:
-                    at_owner[w] += n
-            self.at_owner.append(at_owner)
-            self.spread.append([(moved[w], max((n for _, n in moved[w]), default=0)) for w in SPREAD_KINDS])
-
-    def cut(self, order: Sequence[int], bounded: frozenset[int] = BUCKET_KINDS) -> Cut:
-        """Cut ``order`` into consecutive buckets in which no rank holds whole matrices of more
-        than ``limit`` elements (its stacks; what it takes is part of them), nor sends or receives
-        more than ``limit`` in its exchanges to and from the owners (the kinds of share in
-        ``bounded``; ``RELAY_KINDS``: cut into relays); a bucket holding a matrix larger than
-        ``limit`` allows that matrix's size instead (so that such matrices still spread over the
-        owners: one each). A matrix joins the current bucket unless it would take some rank's
-        share, not empty yet, past the bucket's allowance; then the bucket closes and the matrix
-        starts the next one."""
-        world = self.world_size
-        buckets: list[Bucket] = []
-        loads: list[Load] = []
-        current: list[int] = []
-        totals: list[list[int]] = []
-        peaks: list[int] = []  # the largest of each kind's totals in the current bucket
-        ns: dict[int, int] = {}
-
-        allowance = self.limit
-        for j in order:
-            owner, at_owner, spread = self.owners[j], self.at_owner[j], self.spread[j]
-            grown = max(allowance, at_owner[HELD])  # (a matrix's own share is its size)
-            if not current or self._over(j, totals, peaks, grown, bounded):
-                if current:
-                    buckets.append(Bucket(tuple(current)))
-                    loads.append(_load(peaks, ns, self.relays_in_step))
-                current, ns = [], {}
-                totals, peaks = [[0] * world for _ in SHARES], [0] * len(SHARES)
-                grown = max(self.limit, at_owner[HELD])
-            current.append(j)
-            allowance = grown
-            ns[owner] = ns.get(owner, 0) + self.costs[j]
-            for w in OWNER_KINDS:
-                totals[w][owner] += at_owner[w]
-                peaks[w] = max(peaks[w], totals[w][owner])
-            for w, (pieces, _) in zip(SPREAD_KINDS, spread, strict=True):
-                total, peak = totals[w], peaks[w]
-                for r, n in pieces:
-                    total[r] += n
-                    if total[r] > peak:
-                        peak = total[r]
-                peaks[w] = peak
-        if current:
-            buckets.append(Bucket(tuple(current)))
-            loads.append(_load(peaks, ns, self.relays_in_step))
-        return Cut(tuple(buckets), tuple(loads))
-
-    def _over(
-        self, j: int, totals: list[list[int]], peaks: list[int], bound: int, bounded: frozenset[int]
-    ) -> bool:
-        """Whether matrix j would take some rank's share of a kind in ``bounded``, not empty yet,
-        past ``bound`` (the kinds' ``totals`` per rank and ``peaks`` so far)."""
-        owner, at_owner = self.owners[j], self.at_owner[j]
-        for w in OWNER_KINDS:
-            if w in bounded and totals[w][owner] and totals[w][owner] + at_owner[w] > bound:
-                return True
-        for w, (pieces, largest) in zip(SPREAD_KINDS, self.spread[j], strict=True):
-            total = totals[w]
-            if (
-                w in bounded
-                and peaks[w] + largest > bound
-                and any(total[r] and total[r] + n > bound for r, n in pieces)
-            ):
-                return True
-        return False
-
-
-def _load(peaks: Sequence[int], ns: dict[int, int], relays: bool = True) -> Load:
-    """A bucket's ``pipeline.Load`` from the peaks of its shares and its owners' NS flops (and
-    its relays', when they follow it in the step)."""
-    relay = max(peaks[RELAYED], peaks[RELAYED_IN]) if relays else 0
-    return Load(max(peaks[SENT], peaks[TAKEN]), max(peaks[RETURNED], peaks[RECEIVED]), ns, relay)
+    if copies is None:
+        return None
+    return by_layout("class ids", m, lambda _: {r: copies.classes[c][0] for r, (c, _) in copies.of.items()})
 
 
 def ramp(
@@ -502,7 +351,7 @@ def ramp(
     order: Sequence[int],
     cutter: Cutter,
     flops_per_element: float,
-) -> tuple[Bucket, ...]:
+) -> tuple[tuple[int, ...], ...]:
     """The cut of ``order`` whose step the pipeline's cost model (``pipeline.cut_flops``)
     predicts fastest, among: the plain cut, and the same with a first bucket, then also a last
     one, of one matrix of a shape per owner that has one (the first bucket's exchange and the
@@ -524,7 +373,7 @@ def ramp(
         return Cut(first.buckets[:1], first.loads[:1])
 
     def with_ends(first: Cut, last: Cut) -> Cut:
-        chosen = {j for b in first.buckets + last.buckets for j in b.matrices}
+        chosen = {j for b in first.buckets + last.buckets for j in b}
         return first + cutter.cut([j for j in order if j not in chosen]) + last
 
     def cost(cut: Cut) -> float:
@@ -542,13 +391,13 @@ def ramp(
             candidate = with_ends(picked, none)
             if (c := cost(candidate)) < best_cost:
                 best, best_cost, first = candidate, c, picked
-    taken = {j for b in first.buckets for j in b.matrices}
+    taken = {j for b in first.buckets for j in b}
     rest = [j for j in reversed(order) if j not in taken]
     for shape in shapes:
         last = one_per_owner(rest, shape)
         if last.loads and last.loads[0].back < longest_back:
-            members = set(last.buckets[0].matrices)
-            ordered = Cut((Bucket(tuple(j for j in order if j in members)),), last.loads)
+            members = set(last.buckets[0])
+            ordered = Cut((tuple(j for j in order if j in members),), last.loads)
             candidate = with_ends(first, ordered)
             if (c := cost(candidate)) < best_cost:
                 best, best_cost = candidate, c

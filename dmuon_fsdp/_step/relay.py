@@ -23,11 +23,12 @@ some replica) returns from its owner to every holder.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from dmuon_fsdp._step.layouts import MatrixLayout, Piece
+from dmuon_fsdp._step.layouts import MatrixLayout, Piece, by_layout
 
 
 @dataclass(frozen=True)
@@ -46,22 +47,11 @@ class Twins:
         return len(self.position)
 
 
-_TWINS: dict[tuple[int, int], tuple[MatrixLayout, Twins | None]] = {}  # by pieces and replicas
-
-
 def twins(m: MatrixLayout) -> Twins | None:
     """``m``'s twins, or None when it has one copy or its replicas are cut differently (some piece
     not held once in every replica). Matrices that share their pieces and replicas (one per
-    parameter of a shape and layout) share it."""
-    key = (id(m.pieces), id(m.replicas))
-    found = _TWINS.get(key)
-    if found is not None and found[0].pieces is m.pieces and found[0].replicas is m.replicas:
-        return found[1]
-    result = _find_twins(m)
-    if len(_TWINS) > 4096:
-        _TWINS.clear()
-    _TWINS[key] = (m, result)  # (the layout keeps the keyed tuples alive)
-    return result
+    parameter of a shape and layout) share it (``layouts.by_layout``)."""
+    return by_layout("twins", m, _find_twins)
 
 
 def _find_twins(m: MatrixLayout) -> Twins | None:
@@ -80,9 +70,14 @@ def _find_twins(m: MatrixLayout) -> Twins | None:
         ranks.sort(key=lambda r: replicas[r])
         if [replicas[r] for r in ranks] != held:
             return None
-        classes.append(tuple(ranks))
+        classes.append(_CLASSES.setdefault(tuple(ranks), tuple(ranks)))
     of = {r: (i, c) for i, ranks in enumerate(classes) for c, r in enumerate(ranks)}
     return Twins(tuple(classes), of, {q: c for c, q in enumerate(held)})
+
+
+# Each class of twins once (by value), so that every layout's classes of the same ranks are one
+# tuple: compared, and keyed, by identity.
+_CLASSES: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
 def sub_piece(piece: Piece, first: int, stop: int) -> Piece:
@@ -99,6 +94,7 @@ class Cuts:
     members: tuple[int, ...]
     rows: tuple[int, ...]  # of each member's piece
     cuts: tuple[tuple[int, int], ...]
+    ranks: tuple[int, ...] = ()  # the class of twins
 
     @cached_property
     def index(self) -> dict[int, int]:
@@ -106,7 +102,13 @@ class Cuts:
         return {j: i for i, j in enumerate(self.members)}
 
     @classmethod
-    def of(cls, members: Sequence[int], shapes: Sequence[tuple[int, int]], shares: Sequence[float]) -> Cuts:
+    def of(
+        cls,
+        members: Sequence[int],
+        shapes: Sequence[tuple[int, int]],
+        shares: Sequence[float],
+        ranks: tuple[int, ...] = (),
+    ) -> Cuts:
         """Cuts of the ``members``' pieces of ``shapes`` (rows, cols), in order, into one run per
         position of about ``shares[c]`` of their elements (fractions that add up to 1), at the
         row boundary nearest each."""
@@ -122,7 +124,16 @@ class Cuts:
             rows, cols = shapes[i]
             cuts.append((i, min(rows, round((target - start) / cols)) if cols else 0))
         cuts.append((len(sizes), 0))
-        return cls(tuple(members), tuple(r for r, _ in shapes), tuple(cuts))
+        return cls(tuple(members), tuple(r for r, _ in shapes), tuple(cuts), ranks)
+
+    def positions(self, j: int) -> list[int]:
+        """The positions whose parts hold rows of matrix ``j`` (found by bisection: a piece
+        spans a few parts)."""
+        member = self.index[j]
+        first = bisect.bisect_right(self.cuts, (member, 0)) - 1  # the part its first row is in
+        stop = bisect.bisect_left(self.cuts, (member, self.rows[member]))  # parts starting before its end
+        span = range(max(0, first), min(stop, len(self.cuts) - 1))
+        return [c for c in span if self.rows_of(j, c)[1] > self.rows_of(j, c)[0]]
 
     def rows_of(self, j: int, position: int) -> tuple[int, int]:
         """Rows [first, stop) of matrix ``j``'s piece in part ``position``."""
@@ -133,21 +144,13 @@ class Cuts:
         i, row = self.cuts[c]
         return self.rows[member] if i > member else 0 if i < member else row
 
-    def spanned(self, position: int) -> list[int]:
-        """The matrices part ``position`` holds rows of."""
-        first, last = self.cuts[position][0], min(self.cuts[position + 1][0], len(self.members) - 1)
-        return [
-            j
-            for j in self.members[first : last + 1]
-            if self.rows_of(j, position)[1] > self.rows_of(j, position)[0]
-        ]
-
 
 def in_class(m: MatrixLayout, ranks: tuple[int, ...]) -> bool:
-    """Whether ``ranks`` are a class of ``m``'s twins (they hold one piece of it, one per replica)."""
+    """Whether ``ranks`` (a ``Twins.classes`` entry) are a class of ``m``'s twins (they hold one
+    piece of it, one per replica)."""
     copies = twins(m)
     found = copies.of.get(ranks[0]) if copies is not None else None
-    return found is not None and copies is not None and copies.classes[found[0]] == ranks
+    return found is not None and copies is not None and copies.classes[found[0]] is ranks
 
 
 def even_shares(loads: Sequence[int], total: int, fan: int) -> list[float]:

@@ -186,19 +186,15 @@ def _relays(
     receives: dict[int, list[Transfer]] = {}
     for j in relay.matrices:
         piece = plan.matrices[j].pieces[me]
-        copies = twins(plan.matrices[j])
-        if not piece.numel or copies is None:
+        if not piece.numel:
             continue
         first, stop = plan.relayed(j, me)
         if stop > first:
+            transfer = Transfer(j, sub_piece(piece, first, stop), per_row.back(j))
             for twin in plan.relays_to(j, me):
-                sends.setdefault(twin, []).append(Transfer(j, sub_piece(piece, first, stop), per_row.back(j)))
-        if not plan.in_owners_replica(j, me):
-            for twin in copies.classes[copies.of[me][0]]:
-                first, stop = plan.relayed(j, twin)
-                if twin != me and stop > first:
-                    transfer = Transfer(j, sub_piece(piece, first, stop), per_row.back(j))
-                    receives.setdefault(twin, []).append(transfer)
+                sends.setdefault(twin, []).append(transfer)
+        for twin, first, stop in plan.relayed_from(j, me):
+            receives.setdefault(twin, []).append(Transfer(j, sub_piece(piece, first, stop), per_row.back(j)))
     return sends, receives
 
 
@@ -209,12 +205,26 @@ def _moves(plan: Plan, bucket: Bucket | Relay, kind: str) -> bool:
         owner, m = plan.owners[j], plan.matrices[j]
         if kind == "to owners" and plan.senders[j] - {owner}:
             return True
+        if kind == "relay":
+            if _relays_anywhere(plan, j):
+                return True
+            continue
         holders = [r for r, piece in enumerate(m.pieces) if piece.numel]
         if kind == "back" and any(r != owner and _rows(plan.returned(j, r)) for r in holders):
             return True
-        if kind == "relay" and any(_rows(plan.relayed(j, r)) and plan.relays_to(j, r) for r in holders):
-            return True
     return False
+
+
+def _relays_anywhere(plan: Plan, j: int) -> bool:
+    """Whether some twin relays part of matrix j: with three replicas or more each part goes to
+    a twin (every non-empty one; some is); with two only the owner's replica's parts do."""
+    copies = twins(plan.matrices[j])
+    if copies is None or plan.relay_of[j] < 0:
+        return False
+    if copies.count > 2:
+        return True
+    home = copies.position[plan.matrices[j].replica(plan.owners[j])]
+    return any(_rows(plan.relayed(j, ranks[home])) for ranks in copies.classes)
 
 
 def _rows(span: tuple[int, int]) -> int:

@@ -164,14 +164,12 @@ class _Binder:
             else None
         )
         self.needed[WORK, 0] = work.used
-        # This rank's part of each matrix it relays, kept from its way back to its relay
+        # Relays left to the next forward: this rank's part of each matrix it relays, kept from
+        # its way back to its relay in an arena of their own (a relay in the step keeps its own)
         parts = pool.regions()[PARTS, 0]
-        self.parts: dict[int, Slot] = {}
-        for wire in schedule.relays:
-            mine = {t.matrix: t for segment in wire.send for t in segment} if wire is not None else {}
-            self.parts.update(
-                (s.transfer.matrix, s) for s in staging(list(mine.values()), settings.comm_dtype, parts)
-            )
+        self.kept: dict[int, Slot] = {}
+        for g in range(len(schedule.relays) if settings.in_forward else 0):
+            self.kept.update(self.parts(g, parts))
         self.needed[PARTS, 0] = parts.used
         self.buckets = tuple(self.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
 
@@ -270,8 +268,10 @@ class _Binder:
         factors = self.carry_rows(
             bucket, to_owners, from_owners, owned_rows, back, spread, assemble, collect, writes
         )
-        keep = self.keep(k, returned, factors)
-        relays = tuple(self.relay(g) for g, relay in enumerate(self.plan.relays) if relay.bucket == k)
+        keep = self.keep(self.plan_bucket(k), self.kept, returned, factors)  # (relays left to the forward)
+        relays = tuple(
+            self.relay(g, returned, factors) for g, relay in enumerate(self.plan.relays) if relay.bucket == k
+        )
         for name, r in ((TO, to), (BACK, back)):
             self.needed[name, k % SLOTS] = max(self.needed[name, k % SLOTS], r.used)
         return BucketProgram(
@@ -290,21 +290,31 @@ class _Binder:
             relays,
         )
 
+    def parts(self, g: int, region: Region) -> dict[int, Slot]:
+        """A slot (from ``region``) for this rank's part of each matrix it relays in relay ``g``."""
+        wire = self.schedule.relays[g]
+        mine = {t.matrix: t for segment in wire.send for t in segment} if wire is not None else {}
+        return {s.transfer.matrix: s for s in staging(list(mine.values()), self.settings.comm_dtype, region)}
+
     def keep(
-        self, k: int, returned: Sequence[tuple[Transfer, Tensor]], factors: dict[Transfer, Tensor]
+        self,
+        matrices: Sequence[int],
+        parts: dict[int, Slot],
+        returned: Sequence[tuple[Transfer, Tensor]],
+        factors: dict[Transfer, Tensor],
     ) -> Copies:
-        """The parts this rank relays of bucket ``k``'s matrices ([Note: the relay] in
+        """The parts this rank relays of ``matrices`` ([Note: the relay] in
         ``dmuon_fsdp._step.relay``), from what it holds of each result once the way back is
         applied (``returned``: a transfer and its view per matrix; a row variant's new state,
-        already in place, and ``factors``), into the parts buffer, where they wait for their
-        relay (after the bucket, or in the next forward)."""
+        already in place, and ``factors``), into their ``parts`` slots, where they wait for
+        their relay."""
         comm_dtype = self.settings.comm_dtype
         keep = Copies([], [])
         held = {t.matrix: (t, view) for t, view in returned}
-        for j in self.plan_bucket(k):
-            if j not in self.parts:
+        for j in matrices:
+            if j not in parts:
                 continue
-            slot = self.parts[j]
+            slot = parts[j]
             t = slot.transfer
             source, view = held[j]
             first = t.piece.row - source.piece.row
@@ -315,17 +325,25 @@ class _Binder:
                 keep.add(factors_out, as_wire(factors[source][first : first + t.piece.rows], comm_dtype))
         return keep
 
-    def relay(self, g: int) -> RelayProgram:
+    def relay(
+        self, g: int, returned: Sequence[tuple[Transfer, Tensor]], factors: dict[Transfer, Tensor]
+    ) -> RelayProgram:
         """Relay ``g`` ([Note: the relay] in ``dmuon_fsdp._step.relay``), in its slot: the parts
-        this rank relays, from the parts buffer into the send buffer (``pack``), once to each
-        twin; and what arrives, applied (with its rows' new state into place and its factors into
-        a buffer of the slot)."""
+        this rank relays, kept (after its bucket's way back, from ``returned`` and ``factors``:
+        see ``keep``; left to the next forward, they were kept with their buckets) and packed into
+        the send buffer once to each twin; and what arrives, applied (with its rows' new state
+        into place and its factors into a buffer of the slot)."""
         comm_dtype = self.settings.comm_dtype
         region = self.pool.regions()[RELAY, g % SLOTS]
+        if self.settings.in_forward:
+            parts, keep = self.kept, Copies([], [])
+        else:
+            parts = self.parts(g, region)
+            keep = self.keep(self.plan.relays[g].matrices, parts, returned, factors)
         wire = wired(self.schedule.relays[g], comm_dtype, region, self.settings.exchange_group.process_group)
         pack = Copies([], [])
         for slot in wire.sent:
-            kept = self.parts[slot.transfer.matrix]
+            kept = parts[slot.transfer.matrix]
             pack.add(slot.piece, kept.piece)
             if slot.numbers is not None and kept.numbers is not None:
                 pack.add(as_wire(slot.numbers), as_wire(kept.numbers))
@@ -344,7 +362,7 @@ class _Binder:
             offset += t.piece.rows
         updates = self.updates([(slot.transfer, slot.piece) for slot in wire.received], relayed)
         self.needed[RELAY, g % SLOTS] = max(self.needed[RELAY, g % SLOTS], region.used)
-        return RelayProgram(g, pack, wire.exchange, updates, writes)
+        return RelayProgram(g, keep, pack, wire.exchange, updates, writes)
 
     def way_back(
         self, k: int, bucket: BucketSchedule, back: Region, region: Callable[[Transfer], Tensor]

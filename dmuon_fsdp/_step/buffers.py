@@ -9,8 +9,9 @@ buffers at once: bucket k takes its views from slot ``k % SLOTS``. A slot has th
 for the bucket's way to its owners (send and receive buffers, the stacks of owned matrices,
 staging and scratch: alive from making its NS inputs to collecting its results), one for its way
 back (send and receive buffers, numbers bound with the results, own results kept for the update:
-alive from its Newton-Schulz to its update) and one for its relay across replicas (send and
-receive buffers and the factors relayed: alive from its update to the relay's). With two slots,
+alive from its Newton-Schulz to its update) and one for its relays across replicas (the parts
+this rank relays, send and receive buffers and the factors relayed: alive from its update to the
+relay's). With two slots,
 bucket k+1 travels while bucket k's NS runs, and bucket k+2 takes bucket k's arenas once k is
 through with them; the bucket loop (``dmuon_fsdp._step.run``) orders its work so. One more arena
 holds the NS workspace, used by one batch at a time. So the buffers are a small multiple of the

@@ -122,13 +122,15 @@ class Updates:
 @dataclass(frozen=True)
 class RelayProgram:
     """Relay ``index`` of a plan bound to its slot's buffers (relay g takes slot g % ``SLOTS``),
-    in the order a step runs it once its bucket's way back arrived: ``pack`` fills its send
-    buffer with the parts this rank relays (and their rows' numbers) from the parts buffer
-    (``BucketProgram.keep`` put them there), ``exchange`` carries them
+    in the order a step runs it once its bucket's way back arrived: ``keep`` copies the parts
+    this rank relays (and their rows' numbers) out of the results (for relays left to the next
+    forward, ``BucketProgram.keep`` did, into an arena of their own), ``pack`` fills the send
+    buffer with them, once per twin, ``exchange`` carries them
     to the twins in other replicas, ``writes`` and ``updates`` apply what it brought ([Note: the
     relay] in ``dmuon_fsdp._step.relay``)."""
 
     index: int
+    keep: Copies  # this rank's parts, from its bucket's results (a relay in the step)
     pack: Copies
     exchange: comm.Exchange | None
     updates: tuple[Updates, ...]
@@ -154,7 +156,7 @@ class BucketProgram:
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
     writes: Copies  # numbers returned with the results into place (after the verdict)
-    keep: Copies  # the parts this rank relays, with their rows' numbers, into the parts buffer
+    keep: Copies  # the parts it relays in the next forward (with their rows' numbers) into their arena
     relays: tuple[RelayProgram, ...]
 
 

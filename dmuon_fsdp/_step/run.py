@@ -207,6 +207,7 @@ class StepRun:
         self.relay_through(g - SLOTS + 1, steps)
         relay = self.program.relays[g]
         if steps is not None:
+            relay.keep.run()
             relay.pack.run()
         self.relays[g] = comm.launch(relay.exchange) if relay.exchange is not None else None
         self.relays_launched += 1

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dmuon_fsdp._step.layouts import EMPTY, MatrixLayout, Piece
 from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp.newton_schulz import segments_flops, standard_segments
-from instruments.traffic import Network, covered
+
+if TYPE_CHECKING:
+    from instruments.traffic import Network
 
 
 def chunk_row_counts(rows: int, world_size: int) -> tuple[int, ...]:
@@ -56,6 +59,8 @@ def one_owner_bound(plan: Plan, last: Sequence[int], flops_s: float, network: Ne
     within the node, and every other node holding some of the matrix takes in at least that much
     (each element once) over its GPUs' links to other nodes, as does the owner's node sending it
     out. ``flops_s``: seconds per NS flop."""
+    from instruments.traffic import covered  # (the paper model's; plans of older packages import this module)
+
     nodes = network.nodes(plan.world_size)
     near_s, far_s = network.element_s(near=True), network.element_s(near=False)
     chain = 0.0

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -57,11 +56,10 @@ from benchmarks.paper.costs import (
     print_row,
     resolve_gpu,
 )
-from benchmarks.paper.shapes import LLAMA_CONFIGS, MODELS, row_sharded
-from dmuon_fsdp._step.layouts import MatrixLayout
+from benchmarks.paper.shapes import LLAMA_CONFIGS, MODELS, mesh_layouts
 from dmuon_fsdp._step.pipeline import timeline
 from dmuon_fsdp._step.planner import Bucket, Plan, build_plan
-from instruments.plans import one_owner_bound, rank_loads, replicated
+from instruments.plans import one_owner_bound, rank_loads
 from instruments.traffic import WAYS, Network, Traffic, least_far
 
 Mesh = tuple[int, int]  # replicas x shards
@@ -71,18 +69,11 @@ def network_of(args: argparse.Namespace) -> Network:
     return Network(args.gpus_per_node, args.node_gbs, args.link_gbs, args.latency_us * 1e-6, WIRE_BYTES)
 
 
-def layouts(model: str, mesh: Mesh) -> list[MatrixLayout]:
-    """The model's matrices row-sharded over S ranks and replicated R times (HSDP; R = 1: FSDP)."""
-    replicas, shards = mesh
-    rows = row_sharded(MODELS[model], shards)
-    return [replicated(m, replicas) for m in rows] if replicas > 1 else rows
-
-
 def plan_of(model: str, mesh: Mesh, args: argparse.Namespace, forward_relays: bool = False) -> Plan:
     costs = ns_costs(MODELS[model], args.ns_algorithms[0], args.ns_steps)
     world = mesh[0] * mesh[1]
     bucket = args.bucket_mib * 2**20
-    matrices = layouts(model, mesh)
+    matrices = mesh_layouts(MODELS[model], *mesh)
     return build_plan(
         matrices, costs, world, bucket, WIRE_BYTES, None, args.ns_flops_per_byte, forward_relays
     )
@@ -234,15 +225,17 @@ def _mesh(text: str) -> Mesh:
 
 def plans_before(rev: str, models: list[str], meshes: list[Mesh], args: argparse.Namespace) -> dict:
     """{(model, mesh): (owners, buckets)} of the package at git revision ``rev``, planned in a
-    process that imports it (``python -m benchmarks.paper.e2e``)."""
+    process that imports it (``benchmarks.paper.before``)."""
     from benchmarks.emulate_scale import export
 
     folder = export(rev)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, "-m", "benchmarks.paper.e2e", out.name, json.dumps(models)]
-        command += [json.dumps(meshes), json.dumps(_plan_args(args))]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([folder, os.getcwd()])}
-        subprocess.run(command, check=True, env=env)
+        given = [out.name, models, meshes, _plan_args(args)]
+        code = (  # the older package first on the path, before anything imports it
+            f"import sys; sys.path.insert(0, {folder!r}); from benchmarks.paper.before import plan_here; "
+            f"plan_here(*{given!r})"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
         with open(out.name) as f:
             found = json.load(f)
     return {(m, tuple(mesh)): (owners, buckets) for m, mesh, owners, buckets in found}
@@ -251,20 +244,6 @@ def plans_before(rev: str, models: list[str], meshes: list[Mesh], args: argparse
 def _plan_args(args: argparse.Namespace) -> dict:
     keys = ("ns_algorithms", "ns_steps", "bucket_mib", "ns_flops_per_byte")
     return {key: getattr(args, key) for key in keys}
-
-
-def _plan_here(out: str, models: list[str], meshes: list[list[int]], settings: dict) -> None:
-    """Plan with the package this process imports (``plans_before``'s other side)."""
-    args = argparse.Namespace(**settings)
-    found = []
-    for model in models:
-        for replicas, shards in meshes:
-            plan = plan_of(model, (replicas, shards), args)
-            found.append(
-                [model, [replicas, shards], list(plan.owners), [list(b.matrices) for b in plan.buckets]]
-            )
-    with open(out, "w") as f:
-        json.dump(found, f)
 
 
 def e2e_report(args: argparse.Namespace) -> dict:
@@ -278,7 +257,7 @@ def e2e_report(args: argparse.Namespace) -> dict:
         for mesh in meshes:
             if (model, mesh) in before:
                 owners, buckets = before[model, mesh]
-                matrices, world = layouts(model, mesh), mesh[0] * mesh[1]
+                matrices, world = mesh_layouts(MODELS[model], *mesh), mesh[0] * mesh[1]
                 old = Plan(
                     tuple(matrices),
                     tuple(costs),
@@ -363,7 +342,3 @@ def print_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Non
                     f"{r['busiest_ns_ms']:.1f}",
                 ]
             )
-
-
-if __name__ == "__main__":  # ``plans_before``'s planning process
-    _plan_here(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4]))

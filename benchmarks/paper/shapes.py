@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dmuon_fsdp._step.layouts import EMPTY, MatrixLayout, Piece
-from instruments.plans import chunk_row_counts, row_sharded_layout
+from instruments.plans import chunk_row_counts, replicated, row_sharded_layout
 
 Shape = tuple[int, int]
 Stack = tuple[Shape, int]  # (rows, cols) and experts: 0 for a plain matrix
@@ -66,6 +66,13 @@ MODELS = {name: llama_matrices(*config) for name, config in LLAMA_CONFIGS.items(
 def row_sharded(shapes: list[Shape], world: int) -> list[MatrixLayout]:
     """``shapes`` under FSDP2 on ``world`` ranks: torch.chunk rows."""
     return [row_sharded_layout(str(i), r, c, chunk_row_counts(r, world)) for i, (r, c) in enumerate(shapes)]
+
+
+def mesh_layouts(shapes: list[Shape], replicas: int, shards: int) -> list[MatrixLayout]:
+    """``shapes`` row-sharded over ``shards`` ranks and replicated ``replicas`` times (HSDP on a
+    (replicas, shards) mesh; one replica: FSDP)."""
+    rows = row_sharded(shapes, shards)
+    return [replicated(m, replicas) for m in rows] if replicas > 1 else rows
 
 
 def deepseek_v3_stacks(moe_layers: int = 58, dense_layers: int = 3) -> list[Stack]:

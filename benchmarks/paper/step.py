@@ -18,9 +18,10 @@ lower bound max(total / W, largest matrix, W-th + (W+1)-th largest), and over th
 ``--report hsdp``: HSDP (replicas R x shards S, ``--meshes RxS``), bf16 on the wire, bytes sent
 per rank per step (max and mean, MiB) and the busiest rank's NS GFLOP of four ways to run Muon:
 per-replica (DMuonFSDP inside each replica group, NS repeated R times in the job); DMuonFSDP
-(owners over all R*S ranks, one all-to-all over the job each way); a2a + all-gather (the same
-owners, results returned inside the owner's shard group and then all-gathered across replicas);
-gather-all (every rank gathers every matrix in its shard group and runs all NS).
+(owners over all R*S ranks, results back inside the owner's replica and by relay across
+replicas: ``dmuon_fsdp._step.relay``); direct return (the same owners, each result from its
+owner to every holder, as before the relay); gather-all (every rank gathers every matrix in its
+shard group and runs all NS).
 """
 
 from __future__ import annotations
@@ -125,21 +126,16 @@ def hsdp(shapes: list[Shape], replicas: int, shards: int) -> dict:
     rows_only = row_sharded(shapes, shards)
     per_replica = build_plan(rows_only, costs, shards, 2**40, WIRE_BYTES)
     ours = build_plan([replicated(m, replicas) for m in rows_only], costs, world, 2**40, WIRE_BYTES)
-    two_step = []
+    direct = []
     for rank in range(world):
-        replica = rank // shards
         sent = 0
         for j, m in enumerate(ours.matrices):
             owner = ours.owners[j]
             if owner != rank and rank in ours.senders[j]:  # forward: one copy to the owner
                 sent += m.pieces[rank].numel
-            if owner == rank:  # return inside the owner's shard group
-                sent += sum(
-                    m.pieces[r].numel for r in range(replica * shards, (replica + 1) * shards) if r != rank
-                )
-            if owner // shards == replica:  # all-gather across replicas: my rows to R-1 others
-                sent += (replicas - 1) * m.pieces[rank].numel
-        two_step.append(sent)
+            if owner == rank:  # back: every other holder its piece, in every replica
+                sent += sum(p.numel for r, p in enumerate(m.pieces) if r != rank)
+        direct.append(sent)
     gather_all = [sum(m.pieces[s].numel for m in rows_only) * (shards - 1) for s in range(shards)]
     busiest = max(rank_loads(ours)) / 1e9
     return {
@@ -148,7 +144,7 @@ def hsdp(shapes: list[Shape], replicas: int, shards: int) -> dict:
             "ns_gflop": max(rank_loads(per_replica)) / 1e9,
         },
         "DMuonFSDP": {**spread([ours.elements_moved(r) for r in range(world)]), "ns_gflop": busiest},
-        "a2a + all-gather": {**spread(two_step), "ns_gflop": busiest},
+        "direct return": {**spread(direct), "ns_gflop": busiest},
         "gather-all": {**spread(gather_all), "ns_gflop": sum(costs) / 1e9},
     }
 

@@ -92,10 +92,11 @@ def test_paper_hsdp_deduplication_moves_less_than_repeating_ns_per_replica(tmp_p
     # Job totals: per-replica minus ours = N (R - 1)(S - 2) / S elements, N = all matrices' size.
     for mesh, schemes in result["meshes"].items():
         replicas, shards = (int(n) for n in mesh.split("x"))
-        ours, repeated, two_step = schemes["DMuonFSDP"], schemes["per-replica"], schemes["a2a + all-gather"]
+        ours, repeated, direct = schemes["DMuonFSDP"], schemes["per-replica"], schemes["direct return"]
         saved = total * (replicas - 1) * (shards - 2) / shards / (replicas * shards)
         assert abs((repeated["mean_mib"] - ours["mean_mib"]) - saved) < 1e-6 * total, mesh
-        assert abs(ours["mean_mib"] - two_step["mean_mib"]) < 1e-9, "the same total bytes as a2a + all-gather"
+        # the relay moves each piece across replicas once, as the direct return did
+        assert abs(ours["mean_mib"] - direct["mean_mib"]) < 1e-9, "the same total bytes as the direct return"
         assert ours["ns_gflop"] <= repeated["ns_gflop"] / replicas * 1.1, (
             "NS spread over every replica's ranks"
         )

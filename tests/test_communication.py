@@ -3,6 +3,8 @@ most one device-to-host read."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -237,7 +239,7 @@ def test_buffers_do_not_grow_with_the_depth_of_the_model():
         assert deep <= 1.5 * shallow, (deep, shallow)
 
 
-def tensor_lr(rank, world_size, lr_of):
+def tensor_lr(rank, world_size, lr_of, overlap_backward=False):
     """Parameters after three steps with Muon's and AdamW's lr given as ``lr_of(value)`` (weight
     decay on), and the device-to-host reads of the last (steady) step."""
     model = sharded()
@@ -245,7 +247,8 @@ def tensor_lr(rank, world_size, lr_of):
         {"params": [p for p in model.parameters() if p.ndim == 2], "lr": lr_of(0.02)},
         {"params": [model.scale], "use_muon": False, "lr": lr_of(0.01)},
     ]
-    opt = DMuonFSDP(groups, weight_decay=0.1, ns_dtype=torch.float32, bucket_bytes=2**10)
+    options = dict(weight_decay=0.1, ns_dtype=torch.float32, bucket_bytes=2**10)
+    opt = DMuonFSDP(groups, **options, overlap_backward=overlap_backward)
     for step in range(3):
         model(inputs(step)).pow(2).sum().backward()
         with HostReads() as reads:
@@ -262,6 +265,22 @@ def test_a_tensor_lr_is_never_read_on_the_host():
         assert tensor_reads == float_reads == 1  # the verdict
         # the same steps, to float32 rounding (0.02 as a float32 tensor, its products rounded)
         assert max(((a - b).norm() / a.norm()).item() for a, b in zip(want, got, strict=True)) < 1e-5
+
+
+def shaped(shape, value):
+    return torch.tensor(value).reshape(shape)
+
+
+@pytest.mark.parametrize("overlap_backward", [False, True])
+def test_an_lr_of_any_one_element_shape_steps_as_a_0_dim_one(overlap_backward):
+    """torch's optimizers take a tensor lr of one element whatever its shape: (1,) and (1, 1)
+    step bitwise as () does, through weight decay, the update's scale, AdamW and steps begun in
+    backward."""
+    runs = [run_ranks(tensor_lr, 2, partial(shaped, shape), overlap_backward) for shape in ((), (1,), (1, 1))]
+    for ranks in zip(*runs, strict=True):
+        (want, _, _), *others = ranks
+        for got, _, _ in others:
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 def disagreeing_tensor_lr(rank, world_size):

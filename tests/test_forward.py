@@ -6,6 +6,8 @@ everything that reads them after ``finish_step()``, a module's ``state_dict()`` 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -105,13 +107,32 @@ def test_state_dicts_and_steps_without_a_forward_finish_the_relays():
         assert seen == [[], [], []]
 
 
-def flat(rank, world_size):
+def idle(rank, world_size, options):
+    """The relays of a flat FSDP plan, or the steps begun in backward of a one-bucket plan, over
+    three steps, and the warnings they gave."""
     model = sharded()
-    opt = DMuonFSDP(model.parameters(), lr=0.02, bucket_bytes=BUCKET, overlap_forward=True)
-    model(inputs(0)).pow(2).sum().backward()
-    opt.step()
-    return opt.plan.relays
+    opt = DMuonFSDP(model.parameters(), lr=0.02, **options)
+    started = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            model(inputs(step)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            started.append(opt.last_step_stats.started_in_backward)
+    return opt.plan.relays, started, [str(w.message) for w in caught if "DMuonFSDP" in str(w.message)]
 
 
-def test_flat_fsdp_has_nothing_to_relay():
-    assert run_ranks(flat, 2) == [(), ()]
+@pytest.mark.parametrize(
+    "options,says",
+    [
+        ({"bucket_bytes": BUCKET, "overlap_forward": True}, "no relay across replicas"),
+        ({"bucket_bytes": 2**30, "overlap_backward": True}, "nothing starts in backward"),
+    ],
+)
+def test_an_option_with_nothing_to_do_says_so_once(options, says):
+    """overlap_forward on flat FSDP (no replicas: nothing to relay), overlap_backward on a plan of
+    one bucket (it carries the checks: nothing can start before step())."""
+    for relays, started, said in run_ranks(idle, 2, options):
+        assert relays == () and started == [0, 0, 0]
+        assert len(said) == 1 and says in said[0], said

@@ -217,7 +217,7 @@ class Runtime:
         self.settings: Settings | None = None
         self._no_overlap_reason: str | None = None  # why steps do not begin in backward (said once)
         self._warned_no_grads = False  # a step without any gradient warns once
-        self._idle: str | None = None  # an option that has nothing to do (said once)
+        self._idle: str | None = None  # what an option that has nothing to do says (once; "": said)
 
     def set_meshes(
         self,
@@ -269,6 +269,8 @@ class Runtime:
             ran = self._run(key, grads, params, groups, state, names, options)
         if ran.committed and settings.in_forward:
             self.forward.defer(ran.run, ran.program)
+        if ran.committed and self._idle is None:
+            self._idle = _idle(options, settings, ran.program)
         if ran.verdict is not Verdict.REBUILD and settings.in_backward:
             if self.programs.repeated:  # the next backward starts this program's buckets
                 self.backward.arm(ran.program, groups, options)
@@ -317,6 +319,9 @@ class Runtime:
         if self._no_overlap_reason is not None:
             warnings.warn(self._no_overlap_reason, stacklevel=6)
             self._no_overlap_reason = None
+        if self._idle:
+            warnings.warn(self._idle, stacklevel=6)
+            self._idle = ""  # (said once)
         if params and all(p.grad is None for p in params) and not self._warned_no_grads:
             self._warned_no_grads = True
             warnings.warn(
@@ -325,3 +330,22 @@ class Runtime:
                 "replaced after the optimizer was built, as by fully_shard or to_empty, trains nothing)",
                 stacklevel=6,
             )
+
+
+def _idle(options: Options, settings: Settings, program: StepProgram) -> str | None:
+    """What an option asked for but idle in ``program`` says, or None: ``overlap_backward`` with
+    one bucket (it carries the step's checks, so it starts at ``step()``), ``overlap_forward``
+    with nothing to relay (no replicas)."""
+    if settings.in_backward and program.carrier == 0:
+        return (
+            "DMuonFSDP(overlap_backward=True): the plan has one bucket, which carries the step's checks "
+            "and so starts at step(): nothing starts in backward (with fewer matrices than ranks, or "
+            "bucket_bytes as large as every rank's share, every owner's work is in that one bucket); "
+            "steps are plain, with the same results (said once)"
+        )
+    if options.overlap_forward and not program.relays:
+        return (
+            "DMuonFSDP(overlap_forward=True): no Muon matrix has a copy in another replica (HSDP, DDP), "
+            "so no relay across replicas is left to the next forward; steps are plain (said once)"
+        )
+    return None

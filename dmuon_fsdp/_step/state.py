@@ -128,8 +128,8 @@ def muon_steps(groups: Sequence[dict[str, Any]], device: torch.device) -> list[M
         if not g["use_muon"]:
             out.append(None)
             continue
-        lr = g["lr"]
-        lr = lr.to(device, non_blocking=True) if isinstance(lr, Tensor) else float(lr)
+        lr = g["lr"]  # (a tensor of any one-element shape, as torch's optimizers take, used as 0-dim)
+        lr = lr.to(device, non_blocking=True).reshape(()) if isinstance(lr, Tensor) else float(lr)
         out.append(MuonStep(lr, float(g["momentum"]), bool(g["nesterov"]), float(g["weight_decay"])))
     return out
 
@@ -214,8 +214,8 @@ def adamw(
     if kernel["fused"] and not all(g.is_contiguous() for g in grads):
         grads = [g.contiguous() for g in grads]
     lr = group["lr"]
-    if isinstance(lr, Tensor) and not kernel["fused"]:  # torch's foreach AdamW takes a number
-        lr = float(lr)
+    if isinstance(lr, Tensor):  # (any one-element shape; torch's foreach AdamW takes a number)
+        lr = lr.reshape(()) if kernel["fused"] else float(lr)
     torch_adamw(
         params,
         grads,

@@ -28,3 +28,8 @@ __all__ = [
     "param_groups",
 ]
 __version__ = "0.1.0"
+
+# What users catch and read (tracebacks, reprs, isinstance checks) is named by the package, not
+# by the private module it is written in (and pickles by that name).
+for _public in (GradientMismatchError, NonFiniteGradientError, Plan, StepStats):
+    _public.__module__ = __name__

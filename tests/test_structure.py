@@ -162,3 +162,24 @@ def test_no_call_goes_back_up_the_imports():
 
     found = set().union(*steps(calls_up, count=2), *steps(calls_up, "normuon", count=2))
     assert found == {("dmuon_fsdp.normuon", "dmuon_fsdp._step.buffers.Region.take")}, found
+
+
+def test_what_users_catch_and_read_is_named_by_the_package():
+    """Every class ``dmuon_fsdp`` exports is found under the name its tracebacks and reprs give
+    (``dmuon_fsdp.NonFiniteGradientError``, not the private module it is written in), and a
+    pickled one comes back."""
+    import pickle
+
+    import dmuon_fsdp
+
+    classes = [
+        getattr(dmuon_fsdp, name)
+        for name in dmuon_fsdp.__all__
+        if isinstance(getattr(dmuon_fsdp, name), type)
+    ]
+    assert {c.__name__ for c in classes} >= {"NonFiniteGradientError", "GradientMismatchError", "StepStats"}
+    for c in classes:
+        assert not c.__module__.startswith("dmuon_fsdp._"), c
+        assert getattr(sys.modules[c.__module__], c.__qualname__) is c
+    error = dmuon_fsdp.NonFiniteGradientError("inf in w")
+    assert type(pickle.loads(pickle.dumps(error))) is dmuon_fsdp.NonFiniteGradientError

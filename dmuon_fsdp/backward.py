@@ -153,6 +153,8 @@ class BackwardStart:
         self._side: _SideStream | None = None
         self._progress: Progress | None = None
         self._warned = False
+        self._warned_silent = False  # hooks that never fire (``_silent``)
+        self._before: list[tuple[int, int]] = []  # the gradients when armed (``_grads_now``)
         weakref.finalize(self, _remove, self._hooks)  # an optimizer gone leaves no hooks behind
 
     def arm(self, program: StepProgram, groups: Sequence[dict[str, Any]], options: Options) -> None:
@@ -174,6 +176,7 @@ class BackwardStart:
                     self._hooks.append(param.register_post_accumulate_grad_hook(partial(_landed, me, i)))
         self._groups = groups  # the optimizer's list (a load may replace it)
         self._progress = Progress.of(program, options)
+        self._before = _grads_now(program)
 
     def disarm(self) -> None:
         """Remove the hooks; a step under way is brought to where every rank stands alike."""
@@ -212,7 +215,11 @@ class BackwardStart:
                 progress.steps = muon_steps(self._groups, run.program.device)
             if not progress.joining and side.module is not None:
                 progress.joining = True  # what follows backward waits for the side stream
-                torch.autograd.Variable._execution_engine.queue_callback(side.join)
+                engine = torch.autograd.Variable._execution_engine
+                if hasattr(engine, "queue_callback"):  # (autograd's, internal)
+                    engine.queue_callback(side.join)
+                else:  # a torch without it: the stream the hook runs on waits here instead
+                    progress.joining = False
             read = self._first_reads[k]
             grads = []
             for i in read:
@@ -224,6 +231,8 @@ class BackwardStart:
             with side.on(), run.stats.label("momentum"):
                 run.start(k, landed, progress.steps)
                 progress.norms += torch._foreach_norm(grads, dtype=torch.float32) if grads else []
+            if not progress.joining and side.module is not None:
+                side.join()
             progress.used.update((i, (g, g._version)) for i, g in zip(read, grads, strict=True))
 
     def _settle(self, progress: Progress | None) -> None:
@@ -259,6 +268,13 @@ class BackwardStart:
                 progress = None
         if progress is None:
             progress = Progress.of(program, options)
+        elif (
+            program.carrier
+            and local is not None
+            and self._hooks
+            and not any(g is not None for g in progress.grads)
+        ):
+            self._silent()
         if self._side is not None:
             self._side.join()
         run = progress.run
@@ -279,12 +295,31 @@ class BackwardStart:
             )
         return verdict, run
 
+    def _silent(self) -> None:
+        """Backward gave the step its gradients but no hook fired (once)."""
+        if not self._warned_silent:
+            self._warned_silent = True
+            warnings.warn(
+                "DMuonFSDP(overlap_backward=True): backward gave the parameters their gradients but "
+                "none of their post-accumulate-grad hooks fired, so nothing started in backward: this "
+                f"torch ({torch.__version__}) or this framework does not call them as FSDP2 does "
+                "(torch 2.13 and later: after each reduce-scatter); steps run after backward, with the "
+                "same results (said once)",
+                stacklevel=5,
+            )
+
 
 @torch.compiler.disable(recursive=True)  # compiled autograd calls it eagerly, never traces it
 def _landed(start: weakref.ref, i: int, param: Tensor) -> None:
     owner = start()
     if owner is not None:
         owner.landed(i, param)
+
+
+def _grads_now(program: StepProgram) -> list[tuple[int, int]]:
+    """Each parameter's gradient as (identity, version counter): a backward changes some."""
+    grads = [e.param.grad for e in program.entries]
+    return [(id(g), g._version) if g is not None else (0, 0) for g in grads]
 
 
 def _remove(hooks: list[Any]) -> None:

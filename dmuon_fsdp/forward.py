@@ -27,6 +27,7 @@ found); a relay holding a parameter no module was found for is finished at the e
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -164,15 +165,23 @@ def _order_all_gathers(module: nn.Module) -> None:
     if not isinstance(module, FSDPModule):
         return
     state = module._get_fsdp_state()
-    context = getattr(state, "_comm_ctx", None)
-    device = getattr(state, "_device", torch.device("cpu"))
-    if context is None or device.type == "cpu":
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if device.type == "cpu":
         return
     current = torch.get_device_module(device).current_stream(device)
-    for name in ("all_gather_copy_in_stream", "all_gather_stream"):
-        stream = getattr(context, name, None)
-        if stream is not None:
-            stream.wait_stream(current)
+    context = getattr(state, "_comm_ctx", None)  # (FSDP2's, internal: checked here, where it is used)
+    streams = [getattr(context, name, None) for name in ("all_gather_copy_in_stream", "all_gather_stream")]
+    if any(stream is None for stream in streams):
+        warnings.warn(
+            f"DMuonFSDP(overlap_forward=True): this torch's ({torch.__version__}) FSDP2 has no all-gather "
+            "streams where torch 2.13 keeps them; each module's relays are finished with the host "
+            "waiting for the device instead (correct, slower)",
+            stacklevel=2,
+        )
+        current.synchronize()
+        return
+    for stream in streams:
+        stream.wait_stream(current)
 
 
 def _remove(hooks: list[Any]) -> None:

@@ -298,3 +298,27 @@ def test_hooks_run_eagerly_under_compiled_autograd():
     assert not [m for m in records if "dmuon_fsdp" in m], "dynamo traced the package's code"
     assert started[1:] == [1, 1]
     assert all(torch.equal(a, b) for a, b in zip(plain, overlapped, strict=True))
+
+
+def hooks_never_fire(rank, world_size):
+    """Gradients given by assignment, as a framework that does not call post-accumulate-grad hooks
+    (or a torch whose FSDP2 does not) would leave them: what started in backward, and the
+    warnings."""
+    model = sharded()
+    opt = DMuonFSDP(model.parameters(), lr=0.02, bucket_bytes=BUCKET, overlap_backward=True)
+    started = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for i, p in enumerate(model.parameters()):
+                p.grad = torch.ones_like(p) * (step + i + 1) * 1e-3
+            opt.step()
+            opt.zero_grad()
+            started.append(opt.last_step_stats.started_in_backward)
+    return started, [str(w.message) for w in caught if "DMuonFSDP" in str(w.message)]
+
+
+def test_hooks_that_never_fire_are_named_once():
+    for started, said in run_ranks(hooks_never_fire, 2):
+        assert started == [0, 0, 0]
+        assert len(said) == 1 and "none of their post-accumulate-grad hooks fired" in said[0], said

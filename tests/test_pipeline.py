@@ -110,8 +110,10 @@ def test_stages_step_exactly_under_a_pipelining_schedule(schedule_name, overlap_
         check(pair, min_owners=2, reuses_slots=False)
     for checked, made, history, said, _ in results:
         assert made == []  # each stage exchanges on its dp mesh's group: none is made
-        assert said == []
         buckets = [counts["buckets"] for _, counts in checked.values()]
+        # a stage of one bucket has nothing to start in backward, and says so once
+        idle = sum(n == 1 for n in buckets) if overlap_backward else 0
+        assert len(said) == idle and all("nothing starts in backward" in m for m in said), said
         for step, stats in enumerate(history):
             for (started, redone), n in zip(stats, buckets, strict=True):
                 assert not redone

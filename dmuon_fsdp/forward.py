@@ -181,7 +181,8 @@ def _order_all_gathers(module: nn.Module) -> None:
         current.synchronize()
         return
     for stream in streams:
-        stream.wait_stream(current)
+        if stream is not None:  # (every one: checked above)
+            stream.wait_stream(current)
 
 
 def _remove(hooks: list[Any]) -> None:

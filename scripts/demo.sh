@@ -7,6 +7,7 @@
 # (e.g. --steps 100).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV=${DMUON_VENV:-.venv}
 bash scripts/setup_env.sh recipes  # what the demo runs; the tests' set-up adds the frameworks
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
@@ -15,9 +16,9 @@ else
 fi
 OUT=${OUT:-runs/demo}
 for opt in dmuon adamw; do
-    .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m recipes.pretrain \
+    "$VENV"/bin/torchrun --standalone --nproc-per-node "$NPROC" -m recipes.pretrain \
         --preset "${PRESET:-cpu-demo}" --optimizer "$opt" --run-dir "$OUT/$opt" --overwrite "$@"
 done
-.venv/bin/python -m recipes.report "$OUT"
+"$VENV"/bin/python -m recipes.report "$OUT"
 echo; echo "A sample from the DMuonFSDP model (python -m recipes.sample):"
-.venv/bin/python -m recipes.sample --run-dir "$OUT/dmuon" --prompt "def " --tokens 200
+"$VENV"/bin/python -m recipes.sample --run-dir "$OUT/dmuon" --prompt "def " --tokens 200

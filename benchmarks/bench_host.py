@@ -36,7 +36,9 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -128,6 +130,38 @@ def measure(names: list[str], model: torch.nn.Module, steps: int, warmup: int) -
     return result
 
 
+def mirror_fake_all_to_all() -> None:
+    """Make the fake backend's all-to-all write what it would if every peer were this rank.
+
+    What a fake collective writes is the backend's choice (torch 2.14's fills each peer's chunk
+    with the rank's own first chunk, 2.15's copies the input over as it is), and the step's
+    check flags ride at the head of every chunk: each output chunk gets the head of the rank's
+    chunk to itself, so that the checks agree, and the step runs, on any torch."""
+    original = dist.all_to_all_single
+
+    def mirrored(
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        work = original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        if output_split_sizes and input_split_sizes:
+            # through numpy (CPU tensors): torch ops here would count among the step's ops
+            own, out = input.numpy().reshape(-1)[: input_split_sizes[0]], output.numpy().reshape(-1)
+            assert out.size == 0 or np.shares_memory(out, output.numpy()), "written in place"
+            start = 0
+            for n in output_split_sizes:
+                k = min(n, own.size)
+                out[start : start + k] = own[:k]
+                start += n
+        return work
+
+    dist.all_to_all_single = mirrored
+
+
 def run_case(
     rank: int, world: int, kind: str | None, blocks: int, args: argparse.Namespace, out: str
 ) -> None:
@@ -140,6 +174,7 @@ def run_case(
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        mirror_fake_all_to_all()
     try:
         model = build_model(blocks, world, kind)
         result = measure(args.contenders, model, args.steps, args.warmup)

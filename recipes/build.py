@@ -34,6 +34,7 @@ def build_optimizers(args: argparse.Namespace, model: torch.nn.Module) -> list[t
                 variant=args.variant or "muon",
                 adjust_lr_fn=args.adjust_lr_fn,
                 overlap_backward=args.overlap_backward,
+                overlap_forward=args.overlap_forward,
                 **buckets,
             )
         ]

@@ -131,6 +131,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         "gradients land (same results)",
     )
     opt.add_argument(
+        "--overlap-forward",
+        action="store_true",
+        help="DMuonFSDP leaves the copies of results to other replicas (HSDP, --replicas > 1) to the "
+        "next forward, each finished before FSDP2 gathers its layer (same results; for several nodes)",
+    )
+    opt.add_argument(
         "--bucket-mib",
         type=float,
         default=None,
@@ -344,6 +350,7 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         ("--variant", args.variant is not None),
         ("--adjust-lr-fn", args.adjust_lr_fn is not None),
         ("--overlap-backward", args.overlap_backward),
+        ("--overlap-forward", args.overlap_forward),
         ("--bucket-mib", args.bucket_mib is not None),
     ):
         if given and args.optimizer != "dmuon":

@@ -288,6 +288,20 @@ def test_overlap_backward_trains_exactly_as_the_plain_step(tmp_path, cache):
     assert overlapped["losses"] == plain["losses"]
 
 
+def test_overlap_forward_trains_exactly_as_the_plain_step_and_resumes(tmp_path, cache):
+    # HSDP (2, 1): every result reaches the other replica by relay, left to the next forward
+    # (validation at step 4, the checkpoint's state dicts and the next step finish it).
+    common = ["--steps", "8", "--replicas", "2", "--save-every", "4", "--bucket-mib", "0.02"]
+    plain = run_ranks(run_recipe, 2, tmp_path / "plain", cache, common)[0]
+    args = [*common, "--overlap-forward"]
+    overlapped = run_ranks(run_recipe, 2, tmp_path / "overlap", cache, args)[0]
+    assert overlapped["losses"] == plain["losses"] and overlapped["val"] == plain["val"]
+    checkpoint = str(tmp_path / "overlap/checkpoints/step_0000004")
+    resumed = run_ranks(run_recipe, 2, tmp_path / "resumed", cache, [*args, "--resume", checkpoint])[0]
+    for a, b in zip(_continued_losses(plain), _continued_losses(resumed), strict=True):
+        assert abs(a - b) <= 1e-6 * abs(a), (a, b)  # as test_resume_continues_exactly
+
+
 def test_hsdp_replicas_train_like_fsdp(tmp_path, cache):
     # (replicate 2, shard 1): each matrix orthogonalized once across the two replicas; the same
     # global batches and averaged gradients as plain FSDP over 2 ranks.

@@ -28,7 +28,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ class EmulatedLink:
     def __init__(self, gbs: float) -> None:
         self.gbs, self.original = gbs, dist.all_to_all_single
         self.latency_s: float | None = None
-        dist.all_to_all_single = self.call
+        cast(Any, dist).all_to_all_single = self.call  # (Any: torch's signature differs by release)
 
     def call(
         self,
@@ -94,6 +94,7 @@ class EmulatedLink:
         async_op: bool = False,
     ) -> dist.Work | DelayedWork | bool:
         work = self.original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=True)
+        assert work is not None  # (async_op=True)
         if self.latency_s is None:
             return work if async_op else work.wait()
         moved = max(input.numel(), output.numel()) * input.element_size()

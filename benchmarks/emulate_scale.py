@@ -69,7 +69,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -195,6 +195,7 @@ class PacedLink:
         self.table[n, self.rank, 0] = seconds + peers * self.latency
         self.table[n, self.rank, 1] = max(time.monotonic(), self.device.busy_until)
         work = self.real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        assert work is not None, "the step launches its all-to-alls with async_op=True"
         return _PacedWork(work, self, n)
 
     def duration(self, n: int) -> float:
@@ -312,7 +313,8 @@ def rank_main(
     link = PacedLink(
         table, rank, args.scale, near * speed, far * speed, args.latency_us * 1e-6 / speed, nodes, device
     )
-    dist.all_to_all_single = link.all_to_all_single  # the package calls it through the module
+    # the package calls it through the module (Any: torch's own signature differs by release)
+    cast(Any, dist).all_to_all_single = link.all_to_all_single
     result: dict = {"package": str(Path(dmuon_fsdp.__file__).parent)}
     scaled = max(1, bucket // args.scale**2)
     options: dict[str, Any] = dict(

@@ -191,7 +191,10 @@ def _made_group(ranks: list[int], purpose: str, members_only: bool) -> dist.Proc
     (``members_only``) or by every rank of the job in the same order."""
     key = (id(dist.group.WORLD), purpose, *sorted(ranks))  # a re-initialized job gets new groups
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(sorted(ranks), use_local_synchronization=members_only)
+        group = dist.new_group(sorted(ranks), use_local_synchronization=members_only)
+        if not isinstance(group, dist.ProcessGroup):  # only members ask for it
+            raise RuntimeError(f"rank {dist.get_rank()} made the {purpose} group over ranks {sorted(ranks)}")
+        _GROUPS[key] = group
     return _GROUPS[key]
 
 

@@ -192,8 +192,10 @@ def _made_group(ranks: list[int], purpose: str, members_only: bool) -> dist.Proc
     key = (id(dist.group.WORLD), purpose, *sorted(ranks))  # a re-initialized job gets new groups
     if key not in _GROUPS:
         group = dist.new_group(sorted(ranks), use_local_synchronization=members_only)
-        if not isinstance(group, dist.ProcessGroup):  # only members ask for it
-            raise RuntimeError(f"rank {dist.get_rank()} made the {purpose} group over ranks {sorted(ranks)}")
+        if not isinstance(group, dist.ProcessGroup):  # a non-member's marker; only members ask
+            raise RuntimeError(
+                f"rank {dist.get_rank()} is not among the ranks {sorted(ranks)} of the {purpose} group"
+            )
         _GROUPS[key] = group
     return _GROUPS[key]
 

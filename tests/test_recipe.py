@@ -95,11 +95,6 @@ def run_recipe(rank, world_size, run_dir, cache, extra):
     return train(_args(run_dir, cache, *extra))
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -27,14 +27,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = ["--preset", "tiny", "--batch-size", "4", "--val-every", "50", "--val-batches", "1", "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """The standard library's tokens, cached once for every run here."""
-    path = tmp_path_factory.mktemp("cache")
-    assert main([*TINY, "--steps", "1", "--cache-dir", str(path), "--run-dir", str(path / "warm")]) == 0
-    return path
-
-
 def launch(run: Path, cache: Path, *extra: str, ranks: int = 0, **popen) -> subprocess.Popen:
     """The recipe in a subprocess: under torchrun with ``ranks`` ranks, or in one process."""
     launcher = (

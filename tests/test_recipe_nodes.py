@@ -6,31 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from recipes.pretrain import main
+from tests.support.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = ["--preset", "tiny", "--batch-size", "4", "--val-every", "4", "--val-batches", "1", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cache")
-    assert main([*TINY, "--steps", "1", "--cache-dir", str(path), "--run-dir", str(path / "warm")]) == 0
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def recipe(cache: Path, run: Path, *extra: str) -> list[str]:

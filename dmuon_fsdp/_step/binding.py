@@ -348,18 +348,7 @@ class _Binder:
             if slot.numbers is not None and kept.numbers is not None:
                 pack.add(as_wire(slot.numbers), as_wire(kept.numbers))
         writes = Copies([], [])
-        relayed: dict[Transfer, Tensor] = {}
-        arriving = [slot for slot in wire.received if slot.numbers is not None]
-        flat = region.take(sum(slot.transfer.piece.rows for slot in arriving), torch.float32)
-        offset = 0
-        for slot in arriving:
-            t = slot.transfer
-            relayed[t] = flat[offset : offset + t.piece.rows]
-            assert slot.numbers is not None  # (as filtered)
-            state, factors_in = _state_and_factors(slot.numbers)
-            writes.add(as_wire(self.row_state(t), comm_dtype), state)
-            writes.add(as_wire(relayed[t], comm_dtype), factors_in)
-            offset += t.piece.rows
+        relayed = self.arriving_rows(wire.received, region, writes)
         updates = self.updates([(slot.transfer, slot.piece) for slot in wire.received], relayed)
         self.needed[RELAY, g % SLOTS] = max(self.needed[RELAY, g % SLOTS], region.used)
         return RelayProgram(g, keep, pack, wire.exchange, updates, writes)
@@ -445,22 +434,32 @@ class _Binder:
                 state, factors_sent = _state_and_factors(slot.numbers)
                 collect.add(state, as_wire(v, comm_dtype))
                 collect.add(factors_sent, as_wire(f, comm_dtype))
+        factors = self.arriving_rows(from_owners.received, back, writes)
+        for t in bucket.own_results:
+            if t.per_row:
+                v, factors[t] = owner_rows(t)
+                writes.add(self.row_state(t), v)
+        return factors
+
+    def arriving_rows(
+        self, received: Sequence[Slot], region: Region, writes: Copies
+    ) -> dict[Transfer, Tensor]:
+        """The per-row numbers that arrive with ``received`` pieces (from their owner or by
+        relay), applied by ``writes``: each piece's new row state into this rank's state, its
+        row factors into a float32 buffer from ``region``; returns those factors by transfer."""
+        comm_dtype = self.settings.comm_dtype
         factors: dict[Transfer, Tensor] = {}
-        arriving = [slot for slot in from_owners.received if slot.numbers is not None]
-        flat = back.take(sum(slot.transfer.piece.rows for slot in arriving), torch.float32)
+        arriving = [slot for slot in received if slot.numbers is not None]
+        flat = region.take(sum(slot.transfer.piece.rows for slot in arriving), torch.float32)
         offset = 0
         for slot in arriving:
             t = slot.transfer
             factors[t] = flat[offset : offset + t.piece.rows]
             assert slot.numbers is not None  # (as filtered)
-            state, factors_received = _state_and_factors(slot.numbers)
+            state, factors_in = _state_and_factors(slot.numbers)
             writes.add(as_wire(self.row_state(t), comm_dtype), state)
-            writes.add(as_wire(factors[t], comm_dtype), factors_received)
+            writes.add(as_wire(factors[t], comm_dtype), factors_in)
             offset += t.piece.rows
-        for t in bucket.own_results:
-            if t.per_row:
-                v, factors[t] = owner_rows(t)
-                writes.add(self.row_state(t), v)
         return factors
 
     def stage(self, feeds: list[tuple[Tensor, Transfer]], spread: Copies, to: Region) -> Stage:

@@ -154,7 +154,6 @@ class BackwardStart:
         self._progress: Progress | None = None
         self._warned = False
         self._warned_silent = False  # hooks that never fire (``_silent``)
-        self._before: list[tuple[int, int]] = []  # the gradients when armed (``_grads_now``)
         weakref.finalize(self, _remove, self._hooks)  # an optimizer gone leaves no hooks behind
 
     def arm(self, program: StepProgram, groups: Sequence[dict[str, Any]], options: Options) -> None:
@@ -176,7 +175,6 @@ class BackwardStart:
                     self._hooks.append(param.register_post_accumulate_grad_hook(partial(_landed, me, i)))
         self._groups = groups  # the optimizer's list (a load may replace it)
         self._progress = Progress.of(program, options)
-        self._before = _grads_now(program)
 
     def disarm(self) -> None:
         """Remove the hooks; a step under way is brought to where every rank stands alike."""
@@ -314,12 +312,6 @@ def _landed(start: weakref.ref, i: int, param: Tensor) -> None:
     owner = start()
     if owner is not None:
         owner.landed(i, param)
-
-
-def _grads_now(program: StepProgram) -> list[tuple[int, int]]:
-    """Each parameter's gradient as (identity, version counter): a backward changes some."""
-    grads = [e.param.grad for e in program.entries]
-    return [(id(g), g._version) if g is not None else (0, 0) for g in grads]
 
 
 def _remove(hooks: list[Any]) -> None:

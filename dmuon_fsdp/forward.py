@@ -58,7 +58,7 @@ class ForwardFinish:
     def watch(self, params: list[Tensor]) -> None:
         """Find, in the forwards to come, the modules that use ``params`` (the Muon parameters),
         and hook them (modules found before keep their hooks)."""
-        found = {id(p) for params in self._uses.values() for p in params}
+        found = self._found()
         self._wanted = {id(p): weakref.ref(p) for p in params if id(p) not in found}
         if self._wanted and self._finder is None:
             me = weakref.ref(self)
@@ -93,7 +93,7 @@ class ForwardFinish:
         relays of parameters no module was found for."""
         self.finish()
         self.run, self._last = run, program.relay_last
-        found = {id(p) for params in self._uses.values() for p in params}
+        found = self._found()
         orphans = [g for p, g in self._last.items() if id(p) not in found]
         run.finish_relays(max(orphans, default=-1) + 1)
         self._done()
@@ -118,6 +118,10 @@ class ForwardFinish:
         if self.run is not None:
             self.run.finish_relays(len(self.run.program.relays))
         self.run = None
+
+    def _found(self) -> set[int]:
+        """The Muon parameters, by id, whose modules are found (and hooked)."""
+        return {id(p) for params in self._uses.values() for p in params}
 
     def _done(self) -> None:
         if self.run is not None and not self.run.relays_left:

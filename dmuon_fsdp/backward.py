@@ -21,7 +21,7 @@ launched. The exchanges run in the same order on every rank, whenever a rank's h
 collectives; over part of the job (a pipeline stage) on the stage mesh's own group, where a
 hook launches each at the same point of FSDP2's sequence of collectives on every rank (FSDP2
 calls the hooks right after issuing the reduction that made the gradient):
-``comm.backward_group``, [Note: groups] in ``dmuon_fsdp._step.comm``. Newton-Schulz stays at
+``comm.side_group``, [Note: groups] in ``dmuon_fsdp._step.comm``. Newton-Schulz stays at
 ``step``, where every rank runs its share of all buckets at once: docs/design.md ("Steps begun
 in backward") gives the measurements behind that.
 

@@ -208,8 +208,9 @@ class Settings:
 
     @property
     def exchange_group(self) -> comm.ExchangeGroup:
-        """The group the exchanges run on."""
-        return self.site.backward if self.in_backward else self.site.group
+        """The group the exchanges run on: the side group when some run outside ``step()``
+        (begun in backward, or relays waited for in the next forward)."""
+        return self.site.side if self.in_backward or self.in_forward else self.site.group
 
 
 def check_lr(lr: Any) -> None:

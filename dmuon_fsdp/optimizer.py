@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.optim import optimizer as optimizer_module
 
 from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp._step.run import StepStats
@@ -269,6 +270,8 @@ class DMuonFSDP(Optimizer):
         if any(p.grad is None for p in self._params) and follow_fully_shard(self.param_groups, self._names):
             self._follow_swaps()  # (sharded by fully_shard after this optimizer was built)
         ran = self._runtime.step(self._params, self.param_groups, self.state, self._names, self._options)
+        if self._optimizer_step_post_hooks or optimizer_module._global_optimizer_post_hooks:
+            self._runtime.forward.before_post_hooks()  # (torch runs them when this returns)
         self.last_step_stats = ran.stats
         self._state_written |= ran.committed
         self._runtime.say_once(self._params)

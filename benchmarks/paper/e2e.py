@@ -39,6 +39,7 @@ and HSDP R x S (``--meshes``, shard dim innermost). Per rank:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -80,22 +81,14 @@ def plan_of(model: str, mesh: Mesh, args: argparse.Namespace, forward_relays: bo
 
 
 def forward_with_relays(relays: list[float], needed: list[int], layers: list[float], start: float) -> float:
-    """When the next forward ends, from ``start`` (the end of the step, every relay's parts kept),
-    when its layer i (``layers[i]`` seconds, in order) may start only once the relays through
-    ``needed[i]`` arrived (``relays[g]`` seconds each, one at a time on the link): the first two
-    are launched at the step's end, each next one when a layer's hook applies the one two before
-    it (``dmuon_fsdp.forward``)."""
-    applied: dict[int, float] = {}  # relay: when a hook applied it
-    ends: list[float] = []
+    """When the next forward ends, from ``start`` (the end of the step, where every relay is
+    launched, its parts in place), when its layer i (``layers[i]`` seconds, in order) may start
+    only once the relays through ``needed[i]`` arrived (``relays[g]`` seconds each, one after
+    another on the link; ``dmuon_fsdp.forward``)."""
+    ends = list(itertools.accumulate(relays, initial=start))[1:]
     clock = start
     for layer, last in zip(layers, needed, strict=True):
-        while len(ends) <= last:
-            g = len(ends)
-            launch = start if g < 2 else applied.get(g - 2, clock)
-            ends.append(max(launch, ends[-1] if ends else start) + relays[g])
-        clock = max(clock, ends[last] if last >= 0 else start)
-        for g in range(last + 1):
-            applied.setdefault(g, clock)
+        clock = max(clock, ends[last]) if last >= 0 else clock
         clock += layer
     return clock
 

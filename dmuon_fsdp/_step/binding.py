@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dmuon_fsdp._step.buffers import (
     BACK,
-    PARTS,
+    FORWARD,
     RELAY,
     SLOTS,
     TO,
@@ -108,9 +108,7 @@ def bind(
         buckets=buckets,
         relays=tuple(r for b in buckets for r in b.relays),
         relays_before=tuple(sum(len(b.relays) for b in buckets[:k]) for k in range(len(buckets) + 1)),
-        relay_last={
-            binder.entries[binder.entry_of(j)].param: g for g, r in enumerate(plan.relays) for j in r.matrices
-        },
+        relays_of=binder.relays_of(),
         flags=flags,
         carrier=schedule.carrier,
         counts=counts,
@@ -164,14 +162,20 @@ class _Binder:
             else None
         )
         self.needed[WORK, 0] = work.used
-        # Relays left to the next forward: this rank's part of each matrix it relays, kept from
-        # its way back to its relay in an arena of their own (a relay in the step keeps its own)
-        parts = pool.regions()[PARTS, 0]
-        self.kept: dict[int, Slot] = {}
-        for g in range(len(schedule.relays) if settings.in_forward else 0):
-            self.kept.update(self.parts(g, parts))
-        self.needed[PARTS, 0] = parts.used
+        # Relays left to the next forward: every one bound whole, one after another, in an arena
+        # of their own (they are in flight together); the buckets' ``keep`` fill their send
+        # buffers, once per twin, as each way back is applied ([Note: slots])
+        self.forward = pool.regions()[FORWARD, 0]
+        self.forward_wires = [
+            wired(wire, settings.comm_dtype, self.forward, settings.exchange_group.process_group)
+            for wire in (schedule.relays if settings.in_forward else ())
+        ]
+        self.kept: dict[int, list[Slot]] = defaultdict(list)
+        for forward_wire in self.forward_wires:
+            for slot in forward_wire.sent:
+                self.kept[slot.transfer.matrix].append(slot)
         self.buckets = tuple(self.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
+        self.needed[FORWARD, 0] = self.forward.used
 
     def plan_bucket(self, k: int) -> tuple[int, ...]:
         """The matrices of schedule bucket ``k`` (none in the one bucket of a plan without any)."""
@@ -290,16 +294,17 @@ class _Binder:
             relays,
         )
 
-    def parts(self, g: int, region: Region) -> dict[int, Slot]:
+    def parts(self, g: int, region: Region) -> dict[int, list[Slot]]:
         """A slot (from ``region``) for this rank's part of each matrix it relays in relay ``g``."""
         wire = self.schedule.relays[g]
         mine = {t.matrix: t for segment in wire.send for t in segment} if wire is not None else {}
-        return {s.transfer.matrix: s for s in staging(list(mine.values()), self.settings.comm_dtype, region)}
+        kept = staging(list(mine.values()), self.settings.comm_dtype, region)
+        return {s.transfer.matrix: [s] for s in kept}
 
     def keep(
         self,
         matrices: Sequence[int],
-        parts: dict[int, Slot],
+        parts: dict[int, list[Slot]],
         returned: Sequence[tuple[Transfer, Tensor]],
         factors: dict[Transfer, Tensor],
     ) -> Copies:
@@ -307,22 +312,20 @@ class _Binder:
         ``dmuon_fsdp._step.relay``), from what it holds of each result once the way back is
         applied (``returned``: a transfer and its view per matrix; a row variant's new state,
         already in place, and ``factors``), into their ``parts`` slots, where they wait for
-        their relay."""
+        their relay (a relay left to the next forward: its send buffer's, one per twin)."""
         comm_dtype = self.settings.comm_dtype
         keep = Copies([], [])
         held = {t.matrix: (t, view) for t, view in returned}
         for j in matrices:
-            if j not in parts:
-                continue
-            slot = parts[j]
-            t = slot.transfer
-            source, view = held[j]
-            first = t.piece.row - source.piece.row
-            keep.add(slot.piece, view[first : first + t.piece.rows])
-            if slot.numbers is not None:
-                state, factors_out = _state_and_factors(slot.numbers)
-                keep.add(state, as_wire(self.row_state(t), comm_dtype))
-                keep.add(factors_out, as_wire(factors[source][first : first + t.piece.rows], comm_dtype))
+            for slot in parts.get(j, ()):
+                t = slot.transfer
+                source, view = held[j]
+                first = t.piece.row - source.piece.row
+                keep.add(slot.piece, view[first : first + t.piece.rows])
+                if slot.numbers is not None:
+                    state, factors_out = _state_and_factors(slot.numbers)
+                    keep.add(state, as_wire(self.row_state(t), comm_dtype))
+                    keep.add(factors_out, as_wire(factors[source][first : first + t.piece.rows], comm_dtype))
         return keep
 
     def relay(
@@ -330,28 +333,40 @@ class _Binder:
     ) -> RelayProgram:
         """Relay ``g`` ([Note: the relay] in ``dmuon_fsdp._step.relay``), in its slot: the parts
         this rank relays, kept (after its bucket's way back, from ``returned`` and ``factors``:
-        see ``keep``; left to the next forward, they were kept with their buckets) and packed into
-        the send buffer once to each twin; and what arrives, applied (with its rows' new state
-        into place and its factors into a buffer of the slot)."""
-        comm_dtype = self.settings.comm_dtype
-        region = self.pool.regions()[RELAY, g % SLOTS]
+        see ``keep``) and packed into the send buffer once to each twin; and what arrives,
+        applied (with its rows' new state into place and its factors into a buffer of the
+        slot). Left to the next forward, it is bound already, its send buffer filled by its
+        buckets' ``keep``, and its factors go after it in the same arena."""
+        keep, pack = Copies([], []), Copies([], [])
         if self.settings.in_forward:
-            parts, keep = self.kept, Copies([], [])
+            region, wire = self.forward, self.forward_wires[g]
         else:
+            region = self.pool.regions()[RELAY, g % SLOTS]
             parts = self.parts(g, region)
             keep = self.keep(self.plan.relays[g].matrices, parts, returned, factors)
-        wire = wired(self.schedule.relays[g], comm_dtype, region, self.settings.exchange_group.process_group)
-        pack = Copies([], [])
-        for slot in wire.sent:
-            kept = parts[slot.transfer.matrix]
-            pack.add(slot.piece, kept.piece)
-            if slot.numbers is not None and kept.numbers is not None:
-                pack.add(as_wire(slot.numbers), as_wire(kept.numbers))
+            group = self.settings.exchange_group.process_group
+            wire = wired(self.schedule.relays[g], self.settings.comm_dtype, region, group)
+            for slot in wire.sent:
+                kept = parts[slot.transfer.matrix][0]
+                pack.add(slot.piece, kept.piece)
+                if slot.numbers is not None and kept.numbers is not None:
+                    pack.add(as_wire(slot.numbers), as_wire(kept.numbers))
         writes = Copies([], [])
         relayed = self.arriving_rows(wire.received, region, writes)
         updates = self.updates([(slot.transfer, slot.piece) for slot in wire.received], relayed)
-        self.needed[RELAY, g % SLOTS] = max(self.needed[RELAY, g % SLOTS], region.used)
-        return RelayProgram(g, keep, pack, wire.exchange, updates, writes)
+        if not self.settings.in_forward:
+            self.needed[RELAY, g % SLOTS] = max(self.needed[RELAY, g % SLOTS], region.used)
+        entries = tuple(sorted({e for u in updates for e in u.entries}))
+        return RelayProgram(g, keep, pack, wire.exchange, updates, writes, entries)
+
+    def relays_of(self) -> dict[Tensor, tuple[int, ...]]:
+        """Each parameter's relays that bring this rank rows of it, in order."""
+        out: dict[Tensor, list[int]] = defaultdict(list)
+        for bucket in self.buckets:
+            for relay in bucket.relays:
+                for e in relay.entries:
+                    out[self.entries[e].param].append(relay.index)
+        return {param: tuple(relays) for param, relays in out.items()}
 
     def way_back(
         self, k: int, bucket: BucketSchedule, back: Region, region: Callable[[Transfer], Tensor]
@@ -387,6 +402,7 @@ class _Binder:
             u = updates.setdefault(cls, Updates(*cls, [], [], [] if row_factors is not None else None))
             u.params.append(piece_of(self.locals[self.entry_of(t.matrix)], t.piece))
             u.directions.append(direction)
+            u.entries.append(self.entry_of(t.matrix))
             if row_factors is not None:
                 assert u.row_scales is not None  # a group's matrices all have its row variant, or none
                 u.row_scales.append(row_factors.view(-1, 1))

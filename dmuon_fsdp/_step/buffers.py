@@ -16,7 +16,12 @@ bucket k+1 travels while bucket k's NS runs, and bucket k+2 takes bucket k's are
 through with them; the bucket loop (``dmuon_fsdp._step.run``) orders its work so. One more arena
 holds the NS workspace, used by one batch at a time. So the buffers are a small multiple of the
 largest bucket (``bucket_bytes``), whatever the depth of the model, and the programs kept for
-other gradient sets share them (one program runs at a time). A program is bound into the pool as
+other gradient sets share them (one program runs at a time). The one exception: relays left to
+the next forward (``overlap_forward``) are all launched at the end of the step and land where
+each rank needs them, so each has buffers of its own, laid one after another in the arena
+``FORWARD`` (send buffers filled straight from the results as each bucket's way back is
+applied, receive buffers, factors relayed): about 2 (R - 1) / R of this rank's Muon shards in
+``comm_dtype`` with R replicas, alive from the step to the forward. A program is bound into the pool as
 it is (``Region.take`` hands out views in order); if some arena was too small, binding asked for
 meta tensors past its end, and the pool grows to what was asked, with headroom (``Pool.grow``),
 before binding again. Growing replaces arenas: the kept programs let go of them first, so that
@@ -114,11 +119,11 @@ SLOTS = 2  # buckets whose buffers are alive at once (see [Note: slots])
 ALIGN = 64  # bytes: every view starts on such a boundary (any dtype's, and vector loads')
 
 
-TO, BACK, RELAY, WORK, PARTS = "to owners", "back", "relay", "workspace", "parts"
+TO, BACK, RELAY, WORK, FORWARD = "to owners", "back", "relay", "workspace", "forward relays"
 
 
 def arena_names() -> list[tuple[str, int]]:
-    return [(way, s) for s in range(SLOTS) for way in (TO, BACK, RELAY)] + [(WORK, 0), (PARTS, 0)]
+    return [(way, s) for s in range(SLOTS) for way in (TO, BACK, RELAY)] + [(WORK, 0), (FORWARD, 0)]
 
 
 class Region:

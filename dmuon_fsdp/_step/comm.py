@@ -207,23 +207,25 @@ def _numbered(group: dist.ProcessGroup, ranks: list[int]) -> ExchangeGroup:
     return ExchangeGroup(group, index[dist.get_rank()], peers)
 
 
-def backward_group(ranks: Sequence[int], exchange: ExchangeGroup) -> ExchangeGroup:
-    """The group of steps begun in backward, whose exchanges gradient hooks launch (see
-    [Note: groups]): over the whole job a group of its own, made by every rank, so that those
-    exchanges are never queued among the model's own collectives (FSDP2's reduce-scatters);
-    over part of the job, ``exchange`` itself (the group of the ranks' mesh, as a rule). Every
-    rank must ask for it at the same point: after the ranks agreed on the plan that needs it."""
+def side_group(ranks: Sequence[int], exchange: ExchangeGroup) -> ExchangeGroup:
+    """The group of the exchanges that run beside the model's own collectives (see [Note:
+    groups]): those of steps begun in backward, which gradient hooks launch, and the relays a
+    step leaves to the next forward, which each rank waits for where it first needs them. Over
+    the whole job a group of its own, made by every rank, so that none is queued among FSDP2's
+    or DDP's collectives nor behind them; over part of the job, ``exchange`` itself (the group
+    of the ranks' mesh, as a rule). Every rank must ask for it at the same point: after the
+    ranks agreed on the plan that needs it."""
     if exchange.process_group is None or list(ranks) != list(range(default_world_size())):
         return exchange
-    return _numbered(_made_group(list(ranks), "backward", members_only=False), list(ranks))
+    return _numbered(_made_group(list(ranks), "side", members_only=False), list(ranks))
 
 
 class ExchangeSite:
     """Where a step's exchanges and checks run: the global ``ranks`` the matrices move between,
     in plan order (``layouts.exchange_ranks``), and their ``ExchangeGroup`` (``group``), found
-    or made when the site is (at construction); ``backward``, the group of steps begun in
-    backward (``backward_group``), made at the first plan begun in backward, once every rank
-    agreed on it (a group every rank of the job makes). ``meshes``: the Muon parameters'
+    or made when the site is (at construction); ``side``, the group of steps begun in backward
+    and of relays left to the next forward (``side_group``), made at the first plan that needs
+    it, once every rank agreed on it (a group every rank of the job makes). ``meshes``: the Muon parameters'
     meshes, whose own groups may serve. ``rank`` is this rank's plan index.
 
     [Note: groups] Under eager initialization (a device bound to the default group) torch makes
@@ -241,13 +243,13 @@ class ExchangeSite:
         self.ranks = tuple(ranks)
         self.meshes = tuple(meshes)
         self.group = exchange_group(self.ranks, self.meshes)
-        self._backward: ExchangeGroup | None = None
+        self._side: ExchangeGroup | None = None
 
     @property
-    def backward(self) -> ExchangeGroup:
-        if self._backward is None:
-            self._backward = backward_group(self.ranks, self.group)
-        return self._backward
+    def side(self) -> ExchangeGroup:
+        if self._side is None:
+            self._side = side_group(self.ranks, self.group)
+        return self._side
 
     @property
     def rank(self) -> int:

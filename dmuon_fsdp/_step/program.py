@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -94,17 +94,35 @@ class Batch:
 class Updates:
     """``params -= lr * scale * directions`` on views of local shards, with param group
     ``group``'s lr of the step (``MuonStep``); ``directions`` are views of orthogonalized
-    results, each row scaled by its number in ``row_scales`` (views shaped (rows, 1)) when given."""
+    results, each row scaled by its number in ``row_scales`` (views shaped (rows, 1)) when given;
+    ``entries``: the program entry each view is of."""
 
     group: int
     scale: float
     params: list[Tensor]
     directions: list[Tensor]
     row_scales: list[Tensor] | None = None
+    entries: list[int] = field(default_factory=list)
+
+    def without(self, entries: frozenset[int]) -> Updates:
+        """These updates but those of ``entries`` (a relay's rows for parameters written since
+        the step: ``dmuon_fsdp.forward``)."""
+        keep = [i for i, e in enumerate(self.entries) if e not in entries]
+        scales = self.row_scales
+        return Updates(
+            self.group,
+            self.scale,
+            [self.params[i] for i in keep],
+            [self.directions[i] for i in keep],
+            [scales[i] for i in keep] if scales is not None else None,
+            [self.entries[i] for i in keep],
+        )
 
     def apply(self, steps: Sequence[MuonStep | None]) -> None:
         step = steps[self.group]
         assert step is not None  # updates are of Muon groups
+        if not self.params:  # (all of a relay's rows dropped)
+            return
         alpha = step.alpha(self.scale)
         if isinstance(alpha, Tensor):  # a tensor lr, on the device: scaled there, never read
             scales = (
@@ -123,11 +141,12 @@ class Updates:
 class RelayProgram:
     """Relay ``index`` of a plan bound to its slot's buffers (relay g takes slot g % ``SLOTS``),
     in the order a step runs it once its bucket's way back arrived: ``keep`` copies the parts
-    this rank relays (and their rows' numbers) out of the results (for relays left to the next
-    forward, ``BucketProgram.keep`` did, into an arena of their own), ``pack`` fills the send
-    buffer with them, once per twin, ``exchange`` carries them
-    to the twins in other replicas, ``writes`` and ``updates`` apply what it brought ([Note: the
-    relay] in ``dmuon_fsdp._step.relay``)."""
+    this rank relays (and their rows' numbers) out of the results, ``pack`` fills the send
+    buffer with them, once per twin, ``exchange`` carries them to the twins in other replicas,
+    ``writes`` and ``updates`` apply what it brought ([Note: the relay] in
+    ``dmuon_fsdp._step.relay``). A relay left to the next forward has buffers of its own, whose
+    send buffer its buckets' ``BucketProgram.keep`` fill (its ``keep`` and ``pack`` are empty).
+    ``entries``: the program entries whose rows it brings to this rank."""
 
     index: int
     keep: Copies  # this rank's parts, from its bucket's results (a relay in the step)
@@ -135,6 +154,7 @@ class RelayProgram:
     exchange: comm.Exchange | None
     updates: tuple[Updates, ...]
     writes: Copies
+    entries: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,7 +176,7 @@ class BucketProgram:
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
     writes: Copies  # numbers returned with the results into place (after the verdict)
-    keep: Copies  # the parts it relays in the next forward (with their rows' numbers) into their arena
+    keep: Copies  # its parts of the relays left to the forward (and rows' numbers), into their send buffers
     relays: tuple[RelayProgram, ...]
 
 
@@ -245,7 +265,7 @@ class StepProgram:
     buckets: tuple[BucketProgram, ...]
     relays: tuple[RelayProgram, ...]  # every bucket's, in order (``BucketProgram.relays``)
     relays_before: tuple[int, ...]  # per bucket, the relays of the buckets before it (and in all)
-    relay_last: dict[Tensor, int]  # each parameter's last relay (those with none: absent)
+    relays_of: dict[Tensor, tuple[int, ...]]  # the relays bringing this rank rows of each parameter
     flags: Flags | None
     carrier: int
     counts: dict[str, int]  # what every step of this program does: ``StepStats`` fields

@@ -151,8 +151,7 @@ class StepRun:
                 self.back_through(k, steps)
                 self.relay_through(program.relays_before[k + 1], steps)
         self.back_through(n - 1, steps)
-        if not self.deferred:
-            self.relay_through(program.relays_before[n], steps)
+        self.end_relays(steps)
         assert local is not None  # the carrier (one of the buckets) had a GO verdict
         program.commit_momentum(local, steps, stats)
         stats.count(**program.counts)
@@ -226,20 +225,27 @@ class StepRun:
                         u.apply(steps)
             self.relays_applied = g + 1
 
-    def finish_relays(self, stop: int) -> None:
-        """Launch and apply the relays a step left to the next forward (``deferred``) through relay
-        ``stop`` - 1, keeping ``SLOTS`` launched ahead while any is left."""
-        total = len(self.program.relays)
-        for g in range(self.relays_applied, min(stop, total)):
-            while self.relays_launched <= g:
-                self.launch_relay(self.relays_launched, self.steps)
-            self.relay_through(g + 1, self.steps)
-        while self.relays_launched < min(total, self.relays_applied + SLOTS):
-            self.launch_relay(self.relays_launched, self.steps)
+    def end_relays(self, steps: Sequence[MuonStep | None]) -> None:
+        """After the last way back: apply the relays not yet applied or, left to the next forward
+        (``deferred``), launch every one, in order (their send buffers were filled as each
+        bucket's way back was applied): each rank lands them where it needs them, alone."""
+        if not self.deferred:
+            self.relay_through(len(self.program.relays), steps)
+            return
+        for relay in self.program.relays:
+            self.relays[relay.index] = comm.launch(relay.exchange) if relay.exchange is not None else None
+        self.relays_launched = len(self.program.relays)
 
-    @property
-    def relays_left(self) -> bool:
-        return self.relays_applied < len(self.program.relays)
+    def land(self, g: int, dropped: frozenset[int] = frozenset()) -> None:
+        """Wait for relay ``g`` left to the next forward and apply what it brought, but the rows
+        of the entries ``dropped`` (parameters written since the step)."""
+        with self.stats.phase("wait"):
+            comm.wait(self.relays.pop(g))
+        relay = self.program.relays[g]
+        with self.stats.phase("apply"):
+            relay.writes.run()
+            for u in relay.updates:
+                (u.without(dropped) if dropped else u).apply(self.steps)
 
     def abandon(self, verdict: Verdict) -> Verdict:
         """A step that does not go on: every exchange in flight waited for, nothing committed."""

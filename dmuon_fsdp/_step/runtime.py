@@ -255,8 +255,8 @@ class Runtime:
         verdict, the same on every rank, asks for: raise alike, run again from the final
         gradients (redo), a skip, the new key's program run once more (rebuild); then, for steps
         begun in backward, the hooks armed for the next backward."""
-        if self.forward.run is not None:  # what the last step left to a forward that did not come
-            self.forward.finish()
+        if self.forward.run is not None:  # what the last step left in flight (did a forward read it early?)
+            self.forward.settle()
         if params and params[0].device != self.ready().device:  # moved (model.to, to_empty)
             self.set_options(options, params[0].device)
         settings = self.ready()
@@ -268,7 +268,7 @@ class Runtime:
             self.programs.follow()
             ran = self._run(key, grads, params, groups, state, names, options)
         if ran.committed and settings.in_forward:
-            self.forward.defer(ran.run, ran.program)
+            self.forward.defer(ran.run, ran.program, lambda p: names.get(p, f"a tensor {tuple(p.shape)}"))
         if ran.committed and self._idle is None:
             self._idle = _idle(options, settings, ran.program)
         if ran.verdict is not Verdict.REBUILD and settings.in_backward:

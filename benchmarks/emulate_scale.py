@@ -500,10 +500,11 @@ def main() -> None:
 
 def contenders_of(args: argparse.Namespace) -> list[Contender]:
     """This checkout's default step, plain cut and one bucket (and both on the fast link), and the
-    default and one-bucket steps of ``--before``."""
+    default and one-bucket steps of ``--before``; with replicas, the default step with
+    ``overlap_forward`` of both and this checkout's one bucket with it."""
     out: list[Contender] = []
-    if args.before:
-        before = export(args.before)
+    before = export(args.before) if args.before else None
+    if before is not None:
         out += [
             Contender("before default", before, DEFAULT_BUCKET),
             Contender("before one", before, ONE_BUCKET, ramp=False),
@@ -519,6 +520,8 @@ def contenders_of(args: argparse.Namespace) -> list[Contender]:
             Contender("one fast", None, ONE_BUCKET, ramp=False, link_factor=args.fast_link),
         ]
     if args.replicas > 1:
+        if before is not None:
+            out.append(Contender("before forward", before, DEFAULT_BUCKET, later=True))
         out.append(Contender("forward", None, DEFAULT_BUCKET, later=True))
         out.append(Contender("forward one", None, ONE_BUCKET, ramp=False, later=True))
     return out
@@ -555,7 +558,7 @@ def print_table(results: dict, args: argparse.Namespace) -> None:
         "one-owner bound ms",
         "default / bound",
         "default / one bucket",
-        *(["overlap_forward step ms (its relays, after) ms"] if args.replicas > 1 else []),
+        *(["overlap_forward step ms (its relays, after) ms", "its buffer KiB"] if args.replicas > 1 else []),
         *fast,
         "buffer KiB (rank 0, real size)",
         f"{args.deeper}x deeper KiB",
@@ -581,10 +584,11 @@ def print_table(results: dict, args: argparse.Namespace) -> None:
                 f"{d['step_s'] / one['step_s']:.2f}x",
             ]
             if args.replicas > 1:
-                later = results.get(f"W={world} forward") if not prefix else None
+                later = results.get(f"W={world} {prefix}forward")
                 cells.append(
                     f"{later['step_s'] * 1e3:.1f} ({later['finished_later_s'] * 1e3:.1f})" if later else "-"
                 )
+                cells.append(f"{later['buffer_bytes'] / 2**10:.0f}" if later else "-")
             if args.fast_link:
                 df, of = (
                     results.get(f"W={world} {prefix}default fast"),

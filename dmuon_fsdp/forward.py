@@ -415,7 +415,9 @@ def _outside_traces(me: weakref.ref) -> Callable[..., None]:
 
     def land_relays(module: nn.Module, args: Any) -> None:
         if not torch.compiler.is_compiling():
-            _call(me, "before", module)
+            finish = me()
+            if finish is not None and finish.run is not None:  # (relays in flight: else nothing to do)
+                _call(me, "before", module)
 
     return land_relays
 
@@ -444,16 +446,30 @@ def _compiled_tops(module: nn.Module) -> list[nn.Module]:
 
 def _fsdp_units() -> list[Any]:
     """Every FSDP2 parameter group (``FSDPParamGroup``) in this process, from FSDP2's registry of
-    the modules it manages (internal: checked here, where it is used)."""
-    from torch.distributed import _composable_state
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    the modules it manages (internal: checked here, where it is used; without it, FSDP2 modules
+    are found in their forwards as any other module)."""
+    try:
+        from torch.distributed import _composable_state
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    refs = list(_composable_state._module_state_mapping.values())
+        refs = list(_composable_state._module_state_mapping.values())
+    except (ImportError, AttributeError):
+        warnings.warn(
+            f"DMuonFSDP(overlap_forward=True): this torch's ({torch.__version__}) FSDP2 keeps no registry of "
+            "its modules where torch 2.13 does, so its units are found in their forwards, as other modules "
+            "are: an all-gather outside a forward (an explicit unshard()) may read rows still in flight",
+            stacklevel=2,
+        )
+        return []
     states = {id(s): s for ref in refs if (s := ref()) is not None}  # (grouped modules share one)
     units: list[Any] = []
     for state in states.values():
         if isinstance(state, FSDPState):
-            units.extend(getattr(state, "_fsdp_param_groups", None) or [])
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # (torch before per-parameter meshes: one group)
+                one = getattr(state, "_fsdp_param_group", None)
+                groups = [one] if one is not None else []
+            units.extend(groups)
     return units
 
 
@@ -463,7 +479,9 @@ def _wrap_unshard(unit: Any, me: weakref.ref) -> None:
     unshard = unit.unshard
 
     def land_then_unshard(async_op: bool = False) -> Any:
-        _call(me, "before_unshard", unit, async_op)
+        finish = me()
+        if finish is not None and finish.run is not None:  # (relays in flight: else nothing to do)
+            _call(me, "before_unshard", unit, async_op)
         return unshard(async_op)
 
     unit.unshard = land_then_unshard

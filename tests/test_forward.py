@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import DMuonFSDP
-from tests.support.paired_runs import BUCKET, Stack, inputs, sharded, snapshot
+from tests.support.paired_runs import BUCKET, Stack, inputs, sharded, snapshot, step_apart
 from tests.support.spawn import run_ranks
 from tests.support.training import full
 
@@ -38,19 +38,7 @@ def forward_pairs(rank, world_size, layout, options):
         params = (model.module if layout == "ddp" else model).parameters()
         opt = DMuonFSDP(params, lr=0.02, bucket_bytes=BUCKET, overlap_forward=later, **options)
         runs.append((model, opt))
-    losses, in_flight = [], []
-    for step in range(STEPS):
-        values = []
-        for model, opt in runs:
-            loss = model(inputs(step)).pow(2).sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            values.append(loss.detach())
-        losses.append(values)
-        (plain, _), (later, _) = runs
-        pairs = zip(plain.parameters(), later.parameters(), strict=True)
-        in_flight.append(any(not torch.equal(full(p), full(q)) for p, q in pairs))  # read too early
+    losses, in_flight = zip(*(step_apart(runs, step) for step in range(STEPS)), strict=True)
     runs[1][1].finish_step()
     a, b = (snapshot(model, opt) for model, opt in runs)
     differing = [n for n in a if not torch.equal(a[n], b[n])]

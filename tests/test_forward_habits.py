@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from dmuon_fsdp import DMuonFSDP, param_groups
+from tests.support.paired_runs import step_apart
 from tests.support.spawn import run_ranks
 from tests.support.training import full
 
@@ -117,26 +118,20 @@ def habit_pairs(rank, habit):
             )
     losses, in_flight = [], []
     kept: list = [None, None]
+
+    def before(i, model, opt):
+        if habit == "rollback" and step == 1:  # what the step about to be discarded starts from
+            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            kept[i] = (weights, copy.deepcopy(opt.state_dict()))
+        if habit == "unshard":  # FSDP2's own example; pipelining schedules unshard a stage so
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.unshard()
+
     for step in range(STEPS):
-        values = []
-        for i, (model, opt) in enumerate(runs):
-            if habit == "rollback" and step == 1:  # what the step about to be discarded starts from
-                kept[i] = (
-                    {k: v.detach().clone() for k, v in model.state_dict().items()},
-                    copy.deepcopy(opt.state_dict()),
-                )
-            if habit == "unshard":  # FSDP2's own example; pipelining schedules unshard a stage so
-                for module in model.modules():
-                    if isinstance(module, FSDPModule):
-                        module.unshard()
-            loss = model(inputs(step)).pow(2).sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            values.append(loss.detach())
+        values, rows_in_flight = step_apart(runs, step, inputs(step), before)
         losses.append(values)
-        pairs = zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True)
-        in_flight.append(any(not torch.equal(full(p), full(q)) for p, q in pairs))
+        in_flight.append(rows_in_flight)
         for i, (model, opt) in enumerate(runs):
             if habit == "save_alone" and replica == 0:  # the other replica goes straight on
                 model.state_dict()
@@ -230,17 +225,10 @@ def ddp_pairs(rank, world_size, habit):
                 for _, model, _ in runs:
                     for block in model:
                         block.compile(backend="aot_eager", fullgraph=True)
-            values = []
-            for wrapped, _, opt in runs:
-                x = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(10 * step + rank))
-                loss = wrapped(x).pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                values.append(loss.detach())
+            x = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+            values, rows_in_flight = step_apart([(wrapped, opt) for wrapped, _, opt in runs], step, x)
             losses.append(values)
-            pairs = zip(runs[0][1].parameters(), runs[1][1].parameters(), strict=True)
-            in_flight.append(any(not torch.equal(p, q) for p, q in pairs))
+            in_flight.append(rows_in_flight)
         runs[1][2].finish_step()
     pairs = zip(runs[0][1].named_parameters(), runs[1][1].named_parameters(), strict=True)
     differing = [n for (n, p), (_, q) in pairs if not torch.equal(p, q)]

@@ -68,12 +68,25 @@ def pair(make, **options):
     return out
 
 
-def plain_step(model, opt, step):
-    loss = model(inputs(step)).pow(2).sum()
+def plain_step(model, opt, step, x=None):
+    loss = model(inputs(step) if x is None else x).pow(2).sum()
     loss.backward()
     opt.step()
     opt.zero_grad()
     return loss.detach()
+
+
+def step_apart(runs, step, x=None, before=None):
+    """One ``plain_step`` of each ``(model, opt)`` of ``runs`` on ``x`` (default
+    ``inputs(step)``), after ``before(i, model, opt)``; returns the losses and whether the first
+    two runs' parameters differ right after (``overlap_forward``: rows still in flight)."""
+    losses = []
+    for i, (model, opt) in enumerate(runs):
+        if before is not None:
+            before(i, model, opt)
+        losses.append(plain_step(model, opt, step, x))
+    pairs = zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True)
+    return losses, any(not torch.equal(full(p), full(q)) for p, q in pairs)
 
 
 def compare(runs):

@@ -83,6 +83,9 @@ def build(habit: str, later: bool, mesh):
             register_fsdp_forward_method(layer, "project")
     if habit == "grouped":
         fully_shard([model.norm, model.output], mesh=mesh)
+    if habit == "prefetch":  # each block's pre-forward all-gathers the next two too
+        for i, layer in enumerate(model.layers):
+            layer.set_modules_to_forward_prefetch(list(model.layers[i + 1 : i + 3]))
     options = {"lr": 0.02, "bucket_bytes": BUCKET, "overlap_forward": later}
     if habit == "built_before_sharding":  # the optimizer follows fully_shard's new parameters
         opt = DMuonFSDP(param_groups(model, head=model.output), **options)
@@ -166,7 +169,15 @@ def habit_pairs(rank, habit):
 
 HABITS = {  # jobs of habits, each run in its own job of 4 ranks
     "alone": ("save_alone", "finish_alone", "unshard", "rollback", "written", "post_hook"),
-    "models": ("checkpointed", "eval", "dcp_save", "grouped", "forward_method", "built_before_sharding"),
+    "models": (
+        "checkpointed",
+        "eval",
+        "dcp_save",
+        "grouped",
+        "forward_method",
+        "prefetch",
+        "built_before_sharding",
+    ),
     "compiled per block": ("compiled_fullgraph", "compiled"),
     "compiled whole": ("compiled_whole", "compiled_wrapper"),
 }

@@ -26,7 +26,8 @@ the first time one of these needs its rows on this rank:
   that holds the parameter (so ``nn.MultiheadAttention`` for its ``out_proj``, whose own
   forward never runs, a module for its ``nn.ParameterList``), or a module compiled on its own
   (``module.compile()``, the module ``torch.compile`` wraps), whose own hooks run eagerly while
-  its inside is traced; the modules seen are taken after the first forward's;
+  its inside is traced; modules are looked for in the first forward after the parameters change
+  (a hook on every module's forward, removed at the next step);
 - ``state_dict()`` or ``load_state_dict()`` of a module holding its parameters
   (``model.state_dict()``, DCP's helpers and saves see the step whole; a load overwrites it);
 - the optimizer's ``state_dict()``, ``load_state_dict()``, next ``step()``, the step's
@@ -34,13 +35,13 @@ the first time one of these needs its rows on this rank:
   which anything else reading the parameters between a step and the next forward must call
   first (an EMA, logged norms, ``full_tensor()``).
 
-What is written into a parameter after the step and before its relay lands (a ``copy_``, a
-``load_state_dict``, an EMA swapped in) is kept: its version counters (the parameter's and its
-local shard's) tell, and the relay's rows for it are dropped, not added (said once; writes
-through ``.data`` bypass the counters). A relay holding a parameter no module was found for
-lands at the end of ``step()``, and a forward that read a parameter before its relay landed
-(its gradient changed while the relay was in flight) is said, and the modules are found anew:
-each said once, naming the parameters.
+What is written into a parameter after the step and before its relay lands (a ``copy_``, an EMA
+swapped in; a module's ``load_state_dict`` lands every relay first) is kept: its version
+counters (the parameter's and its local shard's) tell, and the relay's rows for it are dropped,
+not added (said once; writes through ``.data`` bypass the counters). A relay holding a
+parameter no module was found for lands at the end of ``step()``, and a forward that read a
+parameter before its relay landed (its gradient changed while the relay was in flight) is said,
+and the modules are found anew: each said once, naming the parameters.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from dmuon_fsdp.backward import clip_grad_norm_
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS, newton_schulz
 from dmuon_fsdp.optimizer import DMuonFSDP
 from dmuon_fsdp.qk_clip import AttentionWeights, QKClip
-from dmuon_fsdp.routing import param_groups
+from dmuon_fsdp.routing import Route, Routing, param_groups
 
 __all__ = [
     "AttentionWeights",
@@ -22,6 +22,8 @@ __all__ = [
     "POLAR_EXPRESS",
     "Plan",
     "QKClip",
+    "Route",
+    "Routing",
     "StepStats",
     "clip_grad_norm_",
     "newton_schulz",
@@ -31,5 +33,5 @@ __version__ = "0.1.0"
 
 # What users catch and read (tracebacks, reprs, isinstance checks) is named by the package, not
 # by the private module it is written in (and pickles by that name).
-for _public in (GradientMismatchError, NonFiniteGradientError, Plan, StepStats):
+for _public in (GradientMismatchError, NonFiniteGradientError, Plan, Route, Routing, StepStats):
     _public.__module__ = __name__

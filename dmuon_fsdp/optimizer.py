@@ -19,7 +19,7 @@ from dmuon_fsdp._step.state import check_state_dict, initial_state, restore_load
 from dmuon_fsdp._step.swaps import follow, follow_fully_shard
 from dmuon_fsdp.config import GROUP_OPTIONS, OPTIMIZER_WIDE, Option, Options, check_lr
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS
-from dmuon_fsdp.routing import check_new_groups, refuse_other_names, routing, split_group
+from dmuon_fsdp.routing import Routing, check_new_groups, refuse_other_names, split_group
 
 
 class DMuonFSDP(Optimizer):
@@ -72,7 +72,8 @@ class DMuonFSDP(Optimizer):
         flatten (bool, optional): a >2-D weight is one matrix; False: ``dim0`` matrices (default: True)
         split_sizes (list of int, optional): orthogonalize these row blocks on their own (default: None)
         num_heads (int, optional): orthogonalize ``num_heads`` equal row blocks apart (default: None)
-        route (nn.Module, optional): route and name flat groups as ``param_groups(model)`` (default: None)
+        route (nn.Module or Routing, optional): route and name flat groups as ``param_groups(model)``,
+            or as a ``dmuon_fsdp.Routing(model, head=..., stacked=..., adamw=...)`` (default: None)
         variant (str, optional): ``"muon"``, or ``"normuon"`` (rows normalized) (default: "muon")
         normuon_beta2 (float, optional): NorMuon's second-moment decay (default: 0.95)
         normuon_eps (float, optional): added to the second moment's square root (default: 1e-08)
@@ -119,7 +120,7 @@ class DMuonFSDP(Optimizer):
         flatten: bool = True,
         split_sizes: list[int] | None = None,
         num_heads: int | None = None,
-        route: nn.Module | None = None,
+        route: nn.Module | Routing | None = None,
         variant: str = "muon",
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
@@ -136,7 +137,10 @@ class DMuonFSDP(Optimizer):
         self._indexed: list[tuple[int, Tensor]] = []  # (group index, parameter), optimizer order
         self._params: list[Tensor] = []  # the same parameters alone
         self._state_written = False  # a step or a load has written state (else swaps make it anew)
-        self._runtime, self._route = Runtime(), routing(route) if route is not None else None
+        if route is not None and not isinstance(route, nn.Module | Routing):
+            raise TypeError(f"route= takes a model or a dmuon_fsdp.Routing; got {type(route).__name__}")
+        routes = route if isinstance(route, Routing) or route is None else Routing(route)
+        self._runtime, self._route = Runtime(), routes.routes if routes is not None else None
         super().__init__(params, {name: arguments[name] for name in GROUP_OPTIONS})
         self._route = None  # holding the model's tensors would keep them alive after a swap
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -157,3 +158,69 @@ def test_route_warns_too_and_follows_the_same_guess():
     assert caught[0].filename == __file__
     muon = [id(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]]
     assert muon == [id(model.up.weight), id(model.mid.weight)]
+
+
+# VLAs (tests/support/vla.py): a pi0-shaped policy routed as Muon's authors route theirs.
+
+
+def pi0_routing(**extra):
+    from tests.support.vla import Pi0
+
+    model = Pi0()
+    patch = model.vlm.model.vision_tower.embeddings.patch_embedding
+    return model, param_groups(
+        model, head=[model.action_out_proj], adamw=[patch, model.action_in_proj, "state_proj"], **extra
+    )
+
+
+def test_a_vla_routes_only_hidden_matrices_to_muon():
+    """Hidden matrices of the vision tower, projector, language model, action expert and time MLP
+    go to Muon; the patch embedding and input projections (adamw=), the action head (head=),
+    embeddings and the (1, 2, width) query tokens (one row: not a matrix) go to AdamW."""
+    model, groups = pi0_routing()
+    muon, adamw = split(groups)
+    hidden = ("self_attn.", "mlp.", "multi_modal_projector.", "action_time_mlp_")
+    named = model.named_parameters()
+    expected = [n for n, p in named if p.ndim == 2 and n.endswith(".weight") and any(h in n for h in hidden)]
+    assert muon == expected and len(muon) == 43
+    ends = {"query_tokens", "action_out_proj.weight", "state_proj.weight", "action_in_proj.weight"}
+    assert ends <= set(adamw)
+    assert "vlm.model.vision_tower.embeddings.patch_embedding.weight" in adamw
+
+
+def test_routing_says_each_parameters_rule_and_route_takes_it():
+    from dmuon_fsdp import Routing
+
+    model, groups = pi0_routing()
+    patch = model.vlm.model.vision_tower.embeddings.patch_embedding
+    routes = Routing(
+        model,
+        head=model.action_out_proj,
+        adamw=lambda name, p: name in ("action_in_proj.weight", "state_proj.weight") or p is patch.weight,
+    )
+    table = str(routes)
+    assert "query_tokens" in table and "one row" in table and "named by adamw=" in table and "head=" in table
+    assert table.splitlines()[-1] == "43 trainable parameters on Muon, 46 on AdamW"
+    flat = [{"params": list(model.parameters())}]
+    opt = DMuonFSDP(flat, route=routes)
+    assert [(opt.param_name(p), g["use_muon"]) for g in opt.param_groups for p in g["params"]] == [
+        (n, g["use_muon"]) for g in groups for n, _ in g["params"]
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,says",
+    [
+        ({"head": 3}, TypeError, "head= takes a submodule of the model, its qualified name, or a list"),
+        ({"adamw": [nn.Linear(2, 2)]}, ValueError, "adamw=: a Linear that is not a submodule of the model"),
+        ({"adamw": ["no.such"]}, ValueError, "adamw=: the model has no submodule 'no.such'"),
+        ({"adamw": [1.5]}, TypeError, "adamw= takes submodules of the model or their qualified names"),
+        ({"stacked": [3]}, TypeError, "stacked= takes a text or a list of texts"),
+        ({"adamw_lr": 1e-3}, TypeError, "AdamW's settings are DMuonFSDP's adamw_* arguments"),
+        ({"overlap_forward": True}, TypeError, "an optimizer-wide option: pass it to DMuonFSDP"),
+        ({"momentun": 0.9}, TypeError, "did you mean momentum?"),
+    ],
+)
+def test_param_groups_refuses_what_it_does_not_take(kwargs, error, says):
+    with pytest.raises(error, match=re.escape(says)):
+        param_groups(GPT("untied", WIDTH), **kwargs)

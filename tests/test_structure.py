@@ -130,8 +130,9 @@ def test_no_function_is_longer_than_sixty_lines():
 def test_no_call_goes_back_up_the_imports():
     """In a first and a steady step, with Muon and with NorMuon, every call from one package
     module into another is into a module the caller imports (directly or through others), so
-    no phase calls back into what drives it. By design, one callback: a row variant takes its
-    buffers from the ``take`` the binder hands it."""
+    no phase calls back into what drives it. By design, two callbacks: a row variant takes its
+    buffers from the ``take`` the binder hands it, and the layouts' memo (``by_layout``) makes,
+    the first time a layout is seen in the process, what its caller hands it (the twins)."""
     graph = {name: imports(path) for name, path in MODULES.items()}
 
     def below(name: str) -> set[str]:
@@ -161,7 +162,8 @@ def test_no_call_goes_back_up_the_imports():
         return up
 
     found = set().union(*steps(calls_up, count=2), *steps(calls_up, "normuon", count=2))
-    assert found == {("dmuon_fsdp.normuon", "dmuon_fsdp._step.buffers.Region.take")}, found
+    memo = {("dmuon_fsdp._step.layouts", "dmuon_fsdp._step.relay._find_twins")}  # (when cold)
+    assert found - memo == {("dmuon_fsdp.normuon", "dmuon_fsdp._step.buffers.Region.take")}, found
 
 
 def test_what_users_catch_and_read_is_named_by_the_package():

@@ -144,6 +144,7 @@ GROUP_OPTIONS = (
     "variant",
     "normuon_beta2",
     "normuon_eps",
+    "main_weights",
 )
 
 
@@ -227,7 +228,13 @@ def _non_negative(group: dict[str, Any], *keys: str) -> None:
             raise ValueError(f"{key} must be a finite number >= 0, got {group[key]!r}")
 
 
+def _check_main_weights(group: dict[str, Any]) -> None:
+    if not isinstance(group["main_weights"], bool):
+        raise ValueError(f"main_weights must be True or False, got {group['main_weights']!r}")
+
+
 def check_muon_group(group: dict[str, Any]) -> None:
+    _check_main_weights(group)
     _non_negative(group, "lr", "weight_decay", "eps")
     if not 0.0 <= group["momentum"] < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
@@ -270,6 +277,7 @@ def check_groups(groups: list[dict[str, Any]], first_index: int = 0) -> None:
 
 
 def check_adamw_group(group: dict[str, Any]) -> None:
+    _check_main_weights(group)
     _non_negative(group, "lr", "weight_decay", "eps")
     betas = group["betas"]
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from dmuon_fsdp._step.state import local_shard
+from dmuon_fsdp._step.state import MainWeights, local_shard
 
 if TYPE_CHECKING:
     from dmuon_fsdp._step.program import StepProgram
@@ -101,8 +101,9 @@ class Targets:
 class ForwardFinish:
     """The relays a step left in flight (``defer``), where each lands, and the hooks that land them."""
 
-    def __init__(self) -> None:
+    def __init__(self, mains: MainWeights) -> None:
         self.run: StepRun | None = None  # the step whose relays are in flight
+        self._mains = mains  # (a landing writes parameters with main weights)
         self._program: StepProgram | None = None
         self._pending: set[int] = set()  # its relays not landed
         self._targets: Targets | None = None
@@ -361,6 +362,7 @@ class ForwardFinish:
                     "outside a forward)",
                 )
             run.land(g, dropped)
+            self._mains.note([program.entries[e].param for e in entries if e not in dropped])
             self._pending.discard(g)
             for e in entries:  # (our own writes moved their counters, and those of shards sharing storage)
                 for moved in targets.sharing.get(e, (e,)):

@@ -77,6 +77,11 @@ class DMuonFSDP(Optimizer):
         variant (str, optional): ``"muon"``, or ``"normuon"`` (rows normalized) (default: "muon")
         normuon_beta2 (float, optional): NorMuon's second-moment decay (default: 0.95)
         normuon_eps (float, optional): added to the second moment's square root (default: 1e-08)
+        main_weights (bool, optional): parameters stored in bfloat16 or float16 keep a float32
+            main copy in the optimizer state (``main_weight``, with float32 moments), which the
+            step updates and rounds into the parameter, so that updates below the 16-bit spacing
+            accumulate; False: step such parameters in their own dtype, as torch's optimizers do
+            (default: True)
     """
 
     ns_dtype = Option(settable=False)
@@ -124,6 +129,7 @@ class DMuonFSDP(Optimizer):
         variant: str = "muon",
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
+        main_weights: bool = True,
         **other: Any,
     ):
         arguments = dict(locals())  # (first: nothing else is a local yet)
@@ -256,7 +262,12 @@ class DMuonFSDP(Optimizer):
             super().load_state_dict({**state_dict, "param_groups": groups})
         finally:
             self._optimizer_load_state_dict_pre_hooks = hooks
-        restore_loaded(self.param_groups, self.state)
+        saved = {  # each parameter's entries as given (torch casts them to the parameter's dtype)
+            p: state_dict["state"].get(key, {})
+            for old, group in zip(state_dict["param_groups"], self.param_groups, strict=True)
+            for key, p in zip(old["params"], group["params"], strict=True)
+        }
+        restore_loaded(self.param_groups, self.state, saved)
         self._runtime.programs.state_replaced()
         self._state_written = True
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dmuon_fsdp._step import comm
 from dmuon_fsdp._step.layouts import param_boxes
-from dmuon_fsdp._step.state import local_shard
+from dmuon_fsdp._step.state import MAIN, local_shard
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,7 @@ class QKClip:
         names = _namer(optimizer, known)
         self.tau, self.alpha, self.layers, self.group = tau, float(alpha), tuple(layers), group
         self._finish_step: Callable[[], None] = getattr(optimizer, "finish_step", lambda: None)
+        self._state = optimizer.state  # (main weights are scaled too: [Note: main weights])
         self._ranges = [self._check(i, layer, known, names) for i, layer in enumerate(self.layers)]
         self._first_rows = {
             p: _first_row(p, names(p, f"shape {tuple(p.shape)}"))
@@ -213,5 +214,12 @@ class QKClip:
                     local_shard(param),
                     self._first_rows[param],
                 )  # the shard read now: storage may change
-                if local.shape[0]:
+                main = self._state.get(param, {}).get(MAIN)
+                if not local.shape[0]:
+                    continue
+                if main is None:
                     local.mul_(rows[first : first + local.shape[0], None].to(local))
+                else:  # scaled in float32, then rounded into the parameter, as a step does
+                    mine = local_shard(main)
+                    mine.mul_(rows[first : first + local.shape[0], None].to(mine))
+                    local.copy_(mine)

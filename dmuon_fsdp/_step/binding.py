@@ -55,7 +55,7 @@ from dmuon_fsdp._step.program import (
     Updates,
 )
 from dmuon_fsdp._step.schedule import BucketSchedule, RankSchedule, Transfer
-from dmuon_fsdp._step.state import adamw_kernel, adjusted_lr, lerp_math_dtype, local_shard
+from dmuon_fsdp._step.state import MAIN, adamw_kernel, adjusted_lr, lerp_math_dtype, local_shard
 from dmuon_fsdp.config import Settings
 from dmuon_fsdp.newton_schulz import Workspace
 from dmuon_fsdp.variants import RowBatch, RowStep, RowVariant
@@ -136,6 +136,7 @@ class _Binder:
         self.schedule, self.state, self.pool = schedule, state, pool
         self.entries = tuple(entries)
         self.locals = [local_shard(e.param) for e in self.entries]
+        self.mains, self.targets = self.main_weights()
         self.muon = [i for i, e in enumerate(self.entries) if groups[e.group]["use_muon"]]
         self.staged = settings.comm_dtype != settings.ns_dtype
         # How many pieces of each parameter this rank orthogonalizes, over all buckets: a
@@ -146,22 +147,7 @@ class _Binder:
             for t in [t for segment in sent for t in segment] + list(bucket.own_pieces):
                 self.pieces[self.entry_of(t.matrix)] += 1
         self.needed: dict[tuple[str, int], int] = defaultdict(int)
-        work = pool.regions()[WORK, 0]
-        # One NS workspace for every batch of every bucket: they are orthogonalized one at a time.
-        sizes = [
-            Workspace.sizes((len(batch), s, l), form.segments)
-            for bucket in schedule.buckets
-            for (s, l, form), batch in self.members(bucket.owned).items()
-        ]
-        self.workspace = (
-            (
-                work.take(max(y for y, _ in sizes), settings.ns_dtype),
-                work.take(max(squares for _, squares in sizes), settings.ns_dtype),
-            )
-            if sizes
-            else None
-        )
-        self.needed[WORK, 0] = work.used
+        self.workspace, self.grads32 = self.work_buffers()
         # Relays left to the next forward: every one bound whole, one after another, in an arena
         # of their own (they are in flight together); the buckets' ``keep`` fill their send
         # buffers, once per twin, as each way back is applied ([Note: slots])
@@ -176,6 +162,40 @@ class _Binder:
                 self.kept[slot.transfer.matrix].append(slot)
         self.buckets = tuple(self.bucket(k, bucket) for k, bucket in enumerate(schedule.buckets))
         self.needed[FORWARD, 0] = self.forward.used
+
+    def work_buffers(self) -> tuple[tuple[Tensor, Tensor] | None, dict[int, Tensor]]:
+        """The buffers of the work arena: one NS workspace for every batch of every bucket (they
+        are orthogonalized one at a time), and AdamW's gradients of the parameters with a main
+        weight, in float32 (torch's AdamW takes one dtype), by entry."""
+        work, settings = self.pool.regions()[WORK, 0], self.settings
+        sizes = [
+            Workspace.sizes((len(batch), s, l), form.segments)
+            for bucket in self.schedule.buckets
+            for (s, l, form), batch in self.members(bucket.owned).items()
+        ]
+        workspace = (
+            (
+                work.take(max(y for y, _ in sizes), settings.ns_dtype),
+                work.take(max(squares for _, squares in sizes), settings.ns_dtype),
+            )
+            if sizes
+            else None
+        )
+        grads32 = {
+            i: work.take(self.locals[i].numel(), torch.float32).view(self.locals[i].shape)
+            for i in self.mains
+            if not self.groups[self.entries[i].group]["use_muon"]
+        }
+        self.needed[WORK, 0] = work.used
+        return workspace, grads32
+
+    def main_weights(self) -> tuple[dict[int, Tensor], list[Tensor]]:
+        """The entries with a main weight ([Note: main weights] in ``dmuon_fsdp._step.state``):
+        its local shard by entry; and what each entry's updates go to (``targets``): its main
+        weight (rounded into the parameter after) or its parameter's local shard."""
+        held = [self.state[e.param] for e in self.entries]
+        mains = {i: local_shard(st[MAIN]) for i, st in enumerate(held) if MAIN in st}
+        return mains, [mains.get(i, local) for i, local in enumerate(self.locals)]
 
     def plan_bucket(self, k: int) -> tuple[int, ...]:
         """The matrices of schedule bucket ``k`` (none in the one bucket of a plan without any)."""
@@ -400,9 +420,13 @@ class _Binder:
             cls = self.update_class(t.matrix)
             row_factors = factors.get(t)
             u = updates.setdefault(cls, Updates(*cls, [], [], [] if row_factors is not None else None))
-            u.params.append(piece_of(self.locals[self.entry_of(t.matrix)], t.piece))
+            e = self.entry_of(t.matrix)
+            u.params.append(piece_of(self.targets[e], t.piece))
             u.directions.append(direction)
-            u.entries.append(self.entry_of(t.matrix))
+            u.entries.append(e)
+            if e in self.mains:
+                u.rounded.add(piece_of(self.locals[e], t.piece), piece_of(self.mains[e], t.piece))
+                u.rounded_entries.append(e)
             if row_factors is not None:
                 assert u.row_scales is not None  # a group's matrices all have its row variant, or none
                 u.row_scales.append(row_factors.view(-1, 1))
@@ -489,6 +513,7 @@ class _Binder:
         inputs: list[NSInputs] = []
         for group, members in self._by_group(muon=True).items():
             straight, through = [], []
+            buffers = {i: local_shard(self.state[self.entries[i].param]["momentum_buffer"]) for i in members}
             for i in members:
                 if i not in by_entry:
                     continue  # nothing of it in this bucket (or another replica sends it)
@@ -498,11 +523,16 @@ class _Binder:
                 if direct is not None:  # the one piece is the whole shard
                     straight.append((i, direct))
                     continue
-                scratch = to.take(local.numel(), local.dtype).view(local.shape)
+                scratch = to.take(local.numel(), buffers[i].dtype).view(local.shape)
                 through.append((i, scratch))
                 spread.dst.extend(view for view, _ in by_entry[i])
                 spread.src.extend(piece_of(scratch, t.piece) for _, t in by_entry[i])
-            buffers = {i: local_shard(self.state[self.entries[i].param]["momentum_buffer"]) for i in members}
+            # (entries with main weights apart: their gradients' dtype is not their momentum's)
+            split = [
+                [c for c in chosen if (c[0] in self.mains) is main]
+                for chosen in (straight, through)
+                for main in (False, True)
+            ]
             inputs.extend(
                 NSInputs(
                     group,
@@ -512,7 +542,7 @@ class _Binder:
                     all(d.dtype == buffers[i].dtype for i, d in chosen),
                     lerp_math_dtype([buffers[i].dtype for i, _ in chosen]),
                 )
-                for chosen in (straight, through)
+                for chosen in split
                 if chosen
             )
         return Stage(tuple(inputs), spread)
@@ -520,7 +550,7 @@ class _Binder:
     def muon_lists(self, state: Any) -> tuple[MuonLists, ...]:
         lists = []
         for group, members in self._by_group(muon=True).items():
-            params = [self.locals[i] for i in members]
+            params = [self.targets[i] for i in members]
             buffers = [local_shard(state[self.entries[i].param]["momentum_buffer"]) for i in members]
             lists.append(MuonLists(group, tuple(members), params, buffers))
         return tuple(lists)
@@ -528,18 +558,28 @@ class _Binder:
     def adamw(self, state: Any) -> tuple[AdamWLists, ...]:
         lists = []
         for group, members in self._by_group(muon=False).items():
-            params = [self.locals[i] for i in members]
+            params = [self.targets[i] for i in members]
             states = [state[self.entries[i].param] for i in members]
             exp_avgs, exp_avg_sqs = ([local_shard(st[k]) for st in states] for k in ("exp_avg", "exp_avg_sq"))
             steps = [st["step"] for st in states]
             kernel = adamw_kernel(params)
-            lists.append(AdamWLists(group, tuple(members), params, exp_avgs, exp_avg_sqs, steps, kernel))
+            grads32 = [self.grads32[i] for i in members if i in self.grads32]
+            rounded = Copies(
+                [self.locals[i] for i in members if i in self.mains],
+                [self.mains[i] for i in members if i in self.mains],
+            )
+            lists.append(
+                AdamWLists(
+                    group, tuple(members), params, exp_avgs, exp_avg_sqs, steps, kernel, grads32, rounded
+                )
+            )
         return tuple(lists)
 
     def _by_group(self, muon: bool) -> dict[int, list[int]]:
-        """Entry indices (= positions in the step's gradient list) by param group."""
+        """Entry indices (= positions in the step's gradient list) by param group, those with a
+        main weight after the others."""
         out: dict[int, list[int]] = defaultdict(list)
-        for i, e in enumerate(self.entries):
+        for i, e in sorted(enumerate(self.entries), key=lambda item: item[0] in self.mains):
             if self.groups[e.group]["use_muon"] == muon:
                 out[e.group].append(i)
         return out

@@ -69,7 +69,7 @@ class StepKey:
     """What a step program is built for; two steps with equal keys run the same program."""
 
     has_grad: tuple[bool, ...]  # per optimizer parameter, in optimizer order
-    options: tuple[tuple[Any, ...], ...]  # per Muon group, its ``structural_options`` values
+    options: tuple[tuple[Any, ...], ...]  # per Muon group its structural options; then main_weights
     checked: bool  # whether check flags travel (with a check on)
 
     @classmethod
@@ -80,8 +80,10 @@ class StepKey:
         checked: bool,
         keys: Sequence[str],
     ) -> StepKey:
-        """The key of a step with these ``grads`` (``keys``: ``config.structural_options()``)."""
+        """The key of a step with these ``grads`` (``keys``: ``config.structural_options()``, of
+        the Muon groups; every group's ``main_weights``)."""
         options = tuple(tuple(frozen(g[k]) for k in keys) for g in groups if g["use_muon"])
+        options += (tuple(bool(g["main_weights"]) for g in groups),)
         return cls(tuple(g is not None for g in grads), options, checked)
 
     @cached_property

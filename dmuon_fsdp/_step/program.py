@@ -30,7 +30,7 @@ from dmuon_fsdp._step.flags import (
     tensor_flags,
 )
 from dmuon_fsdp._step.planner import Plan
-from dmuon_fsdp._step.state import AdamWKernel, MuonStep, adamw, local_shard, muon_input
+from dmuon_fsdp._step.state import AdamWKernel, MuonStep, adamw, commit_momentum, local_shard, muon_input
 from dmuon_fsdp.newton_schulz import Coefficients, Workspace, orthogonalize_
 
 if TYPE_CHECKING:
@@ -95,7 +95,9 @@ class Updates:
     """``params -= lr * scale * directions`` on views of local shards, with param group
     ``group``'s lr of the step (``MuonStep``); ``directions`` are views of orthogonalized
     results, each row scaled by its number in ``row_scales`` (views shaped (rows, 1)) when given;
-    ``entries``: the program entry each view is of."""
+    ``entries``: the program entry each view is of. A view of a main weight ([Note: main weights]
+    in ``dmuon_fsdp._step.state``) is rounded into its parameter's view after (``rounded``, of
+    entries ``rounded_entries``)."""
 
     group: int
     scale: float
@@ -103,11 +105,14 @@ class Updates:
     directions: list[Tensor]
     row_scales: list[Tensor] | None = None
     entries: list[int] = field(default_factory=list)
+    rounded: Copies = field(default_factory=lambda: Copies([], []))
+    rounded_entries: list[int] = field(default_factory=list)
 
     def without(self, entries: frozenset[int]) -> Updates:
         """These updates but those of ``entries`` (a relay's rows for parameters written since
         the step: ``dmuon_fsdp.forward``)."""
         keep = [i for i, e in enumerate(self.entries) if e not in entries]
+        kept = [i for i, e in enumerate(self.rounded_entries) if e not in entries]
         scales = self.row_scales
         return Updates(
             self.group,
@@ -116,6 +121,8 @@ class Updates:
             [self.directions[i] for i in keep],
             [scales[i] for i in keep] if scales is not None else None,
             [self.entries[i] for i in keep],
+            Copies([self.rounded.dst[i] for i in kept], [self.rounded.src[i] for i in kept]),
+            [self.rounded_entries[i] for i in kept],
         )
 
     def apply(self, steps: Sequence[MuonStep | None]) -> None:
@@ -135,6 +142,7 @@ class Updates:
             torch._foreach_add_(self.params, self.directions, alpha=alpha)
         else:
             torch._foreach_addcmul_(self.params, self.directions, self.row_scales, value=alpha)
+        self.rounded.run()
 
 
 @dataclass(frozen=True)
@@ -225,7 +233,8 @@ class Stage:
 
 @dataclass(frozen=True)
 class MuonLists:
-    """One Muon param group's tensors; ``grads`` index the step's local gradients."""
+    """One Muon param group's tensors (those with main weights apart: ``params`` are then the
+    main weights); ``grads`` index the step's local gradients."""
 
     group: int
     grads: tuple[int, ...]
@@ -235,6 +244,10 @@ class MuonLists:
 
 @dataclass(frozen=True)
 class AdamWLists:
+    """One AdamW param group's tensors (those with main weights apart: ``params`` are then the
+    main weights, the last ones, which take their gradients through float32 scratch,
+    ``grads32``, and are rounded into the parameters after, ``rounded``)."""
+
     group: int
     grads: tuple[int, ...]
     params: list[Tensor]
@@ -242,6 +255,8 @@ class AdamWLists:
     exp_avg_sqs: list[Tensor]
     steps: list[Tensor]
     kernel: AdamWKernel
+    grads32: list[Tensor] = field(default_factory=list)
+    rounded: Copies = field(default_factory=lambda: Copies([], []))
 
 
 @dataclass(frozen=True)
@@ -377,6 +392,10 @@ class StepProgram:
         with stats.phase("adamw"):
             for lists in self.adamw:
                 mine = [grads[i] for i in lists.grads]
+                if lists.grads32:  # (the last ones: those of main weights, in float32)
+                    first = len(mine) - len(lists.grads32)
+                    torch._foreach_copy_(lists.grads32, mine[first:])
+                    mine = mine[:first] + lists.grads32
                 adamw(
                     lists.params,
                     mine,
@@ -386,6 +405,7 @@ class StepProgram:
                     groups[lists.group],
                     lists.kernel,
                 )
+                lists.rounded.run()
 
     def commit_momentum(self, grads: list[Tensor], steps: Sequence[MuonStep | None], stats: Phases) -> None:
         """The momentum buffers, once every bucket's NS inputs were made from them."""
@@ -393,7 +413,7 @@ class StepProgram:
             for lists in self.muon:
                 step = steps[lists.group]
                 assert step is not None  # these are Muon groups
-                torch._foreach_lerp_(lists.buffers, [grads[i] for i in lists.grads], 1.0 - step.momentum)
+                commit_momentum(lists.buffers, [grads[i] for i in lists.grads], step.momentum)
 
 
 _NONE: dict = {}  # the state of a parameter whose state was removed (``moved`` reports it)

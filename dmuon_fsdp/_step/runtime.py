@@ -30,7 +30,7 @@ from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp._step.planning import Planned, Trouble, plan_program
 from dmuon_fsdp._step.program import StepProgram
 from dmuon_fsdp._step.run import StepRun, StepStats
-from dmuon_fsdp._step.state import restore_state, stale_layouts
+from dmuon_fsdp._step.state import MAIN, MainWeights, restore_state, stale_layouts
 from dmuon_fsdp.backward import BackwardStart, overlap_refusal
 from dmuon_fsdp.config import Options, Settings
 from dmuon_fsdp.forward import ForwardFinish
@@ -213,7 +213,8 @@ class Runtime:
     def __init__(self) -> None:
         self.programs = ProgramCache()
         self.backward = BackwardStart()
-        self.forward = ForwardFinish()
+        self.mains = MainWeights()
+        self.forward = ForwardFinish(self.mains)
         self.settings: Settings | None = None
         self._no_overlap_reason: str | None = None  # why steps do not begin in backward (said once)
         self._warned_no_grads = False  # a step without any gradient warns once
@@ -257,6 +258,7 @@ class Runtime:
         begun in backward, the hooks armed for the next backward."""
         if self.forward.run is not None:  # what the last step left in flight (did a forward read it early?)
             self.forward.settle()
+        self.mains.take(params, state)  # what was written into parameters with main weights since
         if params and params[0].device != self.ready().device:  # moved (model.to, to_empty)
             self.set_options(options, params[0].device)
         settings = self.ready()
@@ -267,6 +269,8 @@ class Runtime:
         if ran.verdict is Verdict.REBUILD:  # every rank's gradients or options changed alike
             self.programs.follow()
             ran = self._run(key, grads, params, groups, state, names, options)
+        if ran.committed:
+            self.mains.note([p for p in params if MAIN in state[p]])
         if ran.committed and settings.in_forward:
             self.forward.defer(ran.run, ran.program, lambda p: names.get(p, f"a tensor {tuple(p.shape)}"))
         if ran.committed and self._idle is None:

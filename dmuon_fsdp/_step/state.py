@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as torch_adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dmuon_fsdp.config import row_state_keys, row_variant
 from dmuon_fsdp.variants import row_shape, row_state_like
@@ -28,29 +29,62 @@ def local_shard(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def state_keys(group: dict[str, Any]) -> tuple[str, ...]:
-    """The state entries of a parameter of ``group``: Muon's momentum buffer (and its row
-    variant's row state), or AdamW's ``step`` and moments."""
+# [Note: main weights] A parameter stored in a 16-bit float type cannot take a Muon update
+# below half its spacing (2^-8 of its magnitude in bfloat16: 6e-4 at 0.15, where an update of lr
+# 2e-3 moves an entry about 3e-4): rounded to nearest, most vanish. With ``main_weights`` (the
+# default) such a parameter keeps a float32 copy in its state (``main_weight``, placed like it,
+# with float32 moments): weight decay, AdamW and every Muon update (from its owner or by relay)
+# are applied to the main weight, and the rows they touch are rounded into the parameter right
+# after (``Updates.rounded``). Every replica holds the same main rows and does the same float32
+# math, so replicas stay bitwise equal; a checkpoint carries the main weights, so a resume is
+# exact. What is written into the parameter by anything else (a load, a copy) is taken into the
+# main weight before the next step (``MainWeights``). Memory: 4 bytes per element of each such
+# parameter's local shard, on every rank that holds it, plus the moments in float32.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def keeps_main(p: Tensor, group: dict[str, Any]) -> bool:
+    """Whether ``p`` keeps a float32 main weight ([Note: main weights])."""
+    return bool(group["main_weights"]) and p.dtype in LOW_PRECISION
+
+
+def state_keys(group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
+    """The state entries of parameter ``p`` of ``group``: Muon's momentum buffer (and its row
+    variant's row state), or AdamW's ``step`` and moments; and its main weight, if it keeps one."""
     if not group["use_muon"]:
-        return ("step", "exp_avg", "exp_avg_sq")
-    variant = row_variant(group)
-    return ("momentum_buffer",) if variant is None else ("momentum_buffer", variant.state_key)
+        keys: tuple[str, ...] = ("step", "exp_avg", "exp_avg_sq")
+    else:
+        variant = row_variant(group)
+        keys = ("momentum_buffer",) if variant is None else ("momentum_buffer", variant.state_key)
+    return (*keys, MAIN) if keeps_main(p, group) else keys
+
+
+MAIN = "main_weight"
+
+
+def main_weight(p: Tensor) -> Tensor:
+    """A float32 copy of ``p``, placed like it."""
+    return p.detach().to(torch.float32, copy=True)
 
 
 def initial_state(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
     """A parameter's optimizer state before its first step, placed like the parameter: Muon's
     momentum buffer (and its row variant's row state, placed like the parameter's rows), or
     AdamW's moments and ``step`` (a plain tensor on the parameter's device, where fused AdamW
-    reads it)."""
-    zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
+    reads it); with a main weight, it and the moments in float32."""
+    main = keeps_main(p, group)
+    zeros = torch.zeros_like(p, dtype=torch.float32 if main else p.dtype, memory_format=torch.preserve_format)
     if group["use_muon"]:
         state = {"momentum_buffer": zeros}
         variant = row_variant(group)
         if variant is not None:
             state[variant.state_key] = row_state_like(p, group["flatten"])
-        return state
-    step = torch.zeros((), dtype=torch.float32, device=p.device)
-    return {"step": step, "exp_avg": zeros, "exp_avg_sq": torch.zeros_like(zeros)}
+    else:
+        step = torch.zeros((), dtype=torch.float32, device=p.device)
+        state = {"step": step, "exp_avg": zeros, "exp_avg_sq": torch.zeros_like(zeros)}
+    if main:
+        state[MAIN] = main_weight(p)
+    return state
 
 
 def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
@@ -59,32 +93,47 @@ def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
     before its first step, as with torch's optimizers (whose state is lazy). A group whose
     ``variant`` or ``flatten`` changed keeps its momentum: the row state of its variant starts at
     zero in the new shape, another variant's goes."""
-    every = row_state_keys()
+    every = row_state_keys() | {MAIN}
     for group in groups:
-        keys = state_keys(group)
         variant = row_variant(group)
         row_key = variant.state_key if variant is not None else None
         for p in group["params"]:
+            keys = state_keys(group, p)
             held = state.get(p, {})
             missing = [key for key in keys if key not in held]
-            if missing and missing != [row_key]:
+            if set(missing) - {row_key, MAIN}:
                 state[p] = initial_state(p, group)
                 continue
-            for key in every - set(keys):  # another variant's row state goes
+            for key in every - set(keys):  # another variant's row state goes, a main weight not kept
                 held.pop(key, None)
-            if row_key is not None and (missing or held[row_key].shape != row_shape(p, group["flatten"])):
+            if MAIN in missing:  # (a state saved without one: from the parameter as it is)
+                held[MAIN] = main_weight(p)
+            reshaped = (
+                row_key is not None
+                and row_key not in missing
+                and held[row_key].shape != row_shape(p, group["flatten"])
+            )
+            if row_key is not None and (row_key in missing or reshaped):
                 held[row_key] = row_state_like(p, group["flatten"])  # (``flatten`` changed)
 
 
-def restore_loaded(groups: Sequence[dict[str, Any]], state: Any) -> None:
+def restore_loaded(groups: Sequence[dict[str, Any]], state: Any, saved: dict[Tensor, dict[str, Any]]) -> None:
     """After torch's ``load_state_dict``: the state the dict did not hold made afresh
-    (``restore_state``), and each AdamW ``step`` a float32 tensor on its parameter's device,
-    where fused AdamW reads it."""
+    (``restore_state``), each AdamW ``step`` a float32 tensor on its parameter's device, where
+    fused AdamW reads it, and the float32 state of a parameter with a main weight float32 as
+    saved (``saved``: each parameter's entries in the dict; torch casts them to the parameter's
+    dtype)."""
     restore_state(groups, state)
     for group in groups:
         for p in group["params"]:
-            if "step" in state[p]:
-                state[p]["step"] = state[p]["step"].to(device=p.device, dtype=torch.float32)
+            held = state[p]
+            if "step" in held:
+                held["step"] = held["step"].to(device=p.device, dtype=torch.float32)
+            if MAIN not in held:
+                continue
+            for key, value in saved.get(p, {}).items():
+                if key != "step" and isinstance(value, Tensor) and value.dtype == torch.float32:
+                    held[key] = value.to(device=p.device, copy=True)
 
 
 def stale_layouts(params: Sequence[Tensor], state: Any) -> set[Tensor]:
@@ -172,6 +221,9 @@ def muon_input(
     computes ``g.lerp(b', m)`` for m >= 0.5 as ``b' - (b' - g) * (1 - m)``, which is
     ``b'.lerp_(g, 1 - m)`` to the bit when the weight is the same ``1 - m`` (below 0.5, where lerp
     takes its other form): so b' stays in place."""
+    if grads and grads[0].dtype != buffers[0].dtype:  # 16-bit gradients, float32 momentum
+        _lerp_across(dst, buffers, grads, momentum, nesterov)
+        return
     new = dst if in_place else torch._foreach_lerp(buffers, grads, 1.0 - momentum)
     if in_place:
         torch._foreach_copy_(dst, buffers)
@@ -183,6 +235,54 @@ def muon_input(
             new = torch._foreach_lerp(grads, new, momentum)
     if new is not dst:
         torch._foreach_copy_(dst, new)
+
+
+def _lerp_across(
+    dst: list[Tensor], buffers: list[Tensor], grads: list[Tensor], momentum: float, nesterov: bool
+) -> None:
+    """``muon_input`` for gradients of another dtype than the buffers' (lerp takes one dtype):
+    each lerp as ``a * (1 - w) + b * w``, in the buffers' dtype ([Note: main weights])."""
+    new = torch._foreach_mul(buffers, momentum)
+    torch._foreach_add_(new, grads, alpha=1.0 - momentum)
+    if nesterov:
+        torch._foreach_mul_(new, momentum)
+        torch._foreach_add_(new, grads, alpha=1.0 - momentum)
+    torch._foreach_copy_(dst, new)
+
+
+def commit_momentum(buffers: list[Tensor], grads: list[Tensor], momentum: float) -> None:
+    """``buffers.lerp_(grads, 1 - momentum)``, as ``_lerp_across`` where their dtypes differ."""
+    if grads and grads[0].dtype != buffers[0].dtype:
+        torch._foreach_mul_(buffers, momentum)
+        torch._foreach_add_(buffers, grads, alpha=1.0 - momentum)
+    else:
+        torch._foreach_lerp_(buffers, grads, 1.0 - momentum)
+
+
+class MainWeights:
+    """What was written into parameters with a main weight by anything but a step ([Note: main
+    weights]): each one's version counters (its own and its local shard's) after the step last
+    wrote it (``note``); before a step, ``take`` copies into the main weight each local shard
+    that moved since and no longer equals the main weight rounded (a load of other weights, a
+    copy; a checkpoint loaded with its main weights equals them, which stay)."""
+
+    def __init__(self) -> None:
+        self._versions: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def note(self, params: Iterable[Tensor]) -> None:
+        for p in params:
+            self._versions[p] = (p._version, local_shard(p)._version)
+
+    @torch.no_grad()
+    def take(self, params: Iterable[Tensor], state: Any) -> None:
+        for p in params:
+            main = state.get(p, {}).get(MAIN)
+            if main is None or self._versions.get(p) == (p._version, local_shard(p)._version):
+                continue
+            local, mine = local_shard(p), local_shard(main)
+            if not torch.equal(mine.to(local.dtype), local):
+                mine.copy_(local)
+            self.note([p])
 
 
 class AdamWKernel(TypedDict):
@@ -238,8 +338,8 @@ def check_saved_state(name: str, param: Tensor, group: dict[str, Any], saved: di
     """``saved`` (from a state dict) must hold the state keys of the parameter's kind, each
     shaped like the parameter (a row variant's state like its rows, ``step`` aside), or
     nothing (the parameter then starts afresh)."""
-    expected = set(state_keys(group))
-    if saved and set(saved) != expected:
+    expected = set(state_keys(group, param)) - {MAIN}  # (a main weight is taken when saved, else made)
+    if saved and set(saved) - {MAIN} != expected:
         raise ValueError(f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}")
     for key, value in saved.items():
         shape = row_shape(param, group["flatten"]) if key in row_state_keys() else tuple(param.shape)

@@ -65,6 +65,7 @@ def against_reference(model, groups, loss, steps=STEPS, row_reference=None, **op
     opt = DMuonFSDP(groups, **{**OPTIONS, **options})
     reference = Reference(model, opt, row_reference)
     train([(model, opt)], steps, loss=loss, reference=reference)
+    opt.finish_step()  # (``overlap_forward``: the last step's relays)
     return reference.errors(), reference.counts
 
 

@@ -12,7 +12,10 @@ and register tokens are): not a matrix."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 VOCAB = 64
@@ -67,3 +70,79 @@ class Pi0(nn.Module):
         self.action_time_mlp_out = nn.Linear(expert_width, expert_width)
         self.action_out_proj = nn.Linear(expert_width, ACTION)
         self.query_tokens = nn.Parameter(torch.randn(1, 2, expert_width) * 0.02)
+
+    def joint_layers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """Layer i of the language model and of the action expert, attended jointly."""
+        return list(zip(self.vlm.model.language_model.layers, self.expert.layers, strict=True))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The flow-matching loss of ``batch`` (``images``, ``tokens``, ``state``, ``actions``,
+        ``noise``, ``time``): the prefix (image and text tokens) through PaliGemma, the suffix
+        (the state token and the noisy action chunk with its time) through the expert, jointly
+        layer by layer: each stack's norms, projections and MLP are called directly, so their
+        decoder layers' own forward never runs (nor, in the last layer, the language model's
+        output projection and MLP, whose outputs nothing reads)."""
+        vlm = self.vlm.model
+        images = vlm.get_image_features(batch["images"]).pooler_output
+        text = vlm.language_model.embed_tokens(batch["tokens"]) * math.sqrt(images.shape[-1])
+        prefix = torch.cat([images, text], dim=1)
+        time = batch["time"][:, None, None]
+        noisy = time * batch["noise"] + (1 - time) * batch["actions"]
+        actions = self.action_in_proj(noisy)
+        embedded = _sinusoid(batch["time"], actions.shape[-1])[:, None].expand_as(actions)
+        actions = self.action_time_mlp_out(
+            F.silu(self.action_time_mlp_in(torch.cat([actions, embedded], -1)))
+        )
+        suffix = torch.cat([self.state_proj(batch["state"])[:, None], actions], dim=1)
+        layers = self.joint_layers()
+        for i, (vl, ex) in enumerate(layers):
+            last = i == len(layers) - 1
+            prefix, suffix = _joint(vl, ex, prefix, suffix, last)
+        velocity = self.action_out_proj(self.expert.norm(suffix)[:, 1:])
+        return F.mse_loss(velocity, batch["noise"] - batch["actions"])
+
+
+def _sinusoid(time: torch.Tensor, width: int) -> torch.Tensor:
+    frequencies = torch.exp(-math.log(1000.0) * torch.arange(width // 2, dtype=time.dtype) / (width // 2))
+    angles = time[:, None] * frequencies[None] * 2 * math.pi
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+def _joint(vl: nn.Module, ex: nn.Module, prefix: torch.Tensor, suffix: torch.Tensor, last: bool):
+    """One layer of joint attention: the prefix attends to itself, the suffix to everything."""
+    heads = []
+    for layer, h in ((vl, prefix), (ex, suffix)):
+        x = layer.input_layernorm(h)
+        attn = layer.self_attn
+        q, k, v = (
+            proj(x).unflatten(-1, (-1, attn.head_dim)).transpose(1, 2)
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
+        )
+        heads.append((q, k, v))
+    q = torch.cat([heads[0][0], heads[1][0]], dim=2)
+    k, v = (torch.cat([heads[0][j], heads[1][j]], dim=2) for j in (1, 2))
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # one KV head
+    n, total = prefix.shape[1], q.shape[2]
+    allowed = torch.ones(total, total, dtype=torch.bool)
+    allowed[:n, n:] = False  # the prefix does not see the suffix
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2).flatten(2)
+    outs = []
+    for layer, h, o in ((vl, prefix, out[:, :n]), (ex, suffix, out[:, n:])):
+        if last and layer is vl:  # (nothing reads the language model's last outputs)
+            outs.append(h)
+            continue
+        h = h + layer.self_attn.o_proj(o)
+        outs.append(h + layer.mlp(layer.post_attention_layernorm(h)))
+    return outs[0], outs[1]
+
+
+def pi0_batch(step: int, batch: int = 2, text: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + step)
+    return {
+        "images": torch.randn(batch, 3, IMAGE, IMAGE, generator=gen),
+        "tokens": torch.randint(0, VOCAB, (batch, text), generator=gen),
+        "state": torch.randn(batch, STATE, generator=gen),
+        "actions": torch.randn(batch, HORIZON, ACTION, generator=gen),
+        "noise": torch.randn(batch, HORIZON, ACTION, generator=gen),
+        "time": torch.rand(batch, generator=gen) * 0.999 + 0.001,
+    }

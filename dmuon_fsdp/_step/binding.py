@@ -549,10 +549,15 @@ class _Binder:
 
     def muon_lists(self, state: Any) -> tuple[MuonLists, ...]:
         lists = []
-        for group, members in self._by_group(muon=True).items():
-            params = [self.targets[i] for i in members]
-            buffers = [local_shard(state[self.entries[i].param]["momentum_buffer"]) for i in members]
-            lists.append(MuonLists(group, tuple(members), params, buffers))
+        for group, everyone in self._by_group(muon=True).items():
+            # (entries with main weights apart: their gradients' dtype is not their momentum's)
+            for main in (False, True):
+                members = [i for i in everyone if (i in self.mains) is main]
+                if not members:
+                    continue
+                params = [self.targets[i] for i in members]
+                buffers = [local_shard(state[self.entries[i].param]["momentum_buffer"]) for i in members]
+                lists.append(MuonLists(group, tuple(members), params, buffers))
         return tuple(lists)
 
     def adamw(self, state: Any) -> tuple[AdamWLists, ...]:

@@ -233,8 +233,9 @@ class Stage:
 
 @dataclass(frozen=True)
 class MuonLists:
-    """One Muon param group's tensors (those with main weights apart: ``params`` are then the
-    main weights); ``grads`` index the step's local gradients."""
+    """One Muon param group's tensors, those with main weights apart (two lists of the group:
+    ``params`` are then the main weights, whose gradients are of another dtype than their
+    momentum); ``grads`` index the step's local gradients."""
 
     group: int
     grads: tuple[int, ...]

@@ -131,5 +131,7 @@ class Reference:
                     reference_muon_step(p, g, buf, **options, row_factors=factors)
 
     def errors(self) -> dict[str, float]:
-        """Each parameter's relative error from the reference's."""
-        return {n: relative_error(full(p).detach(), self.params[n]) for n, p in self.named.items()}
+        """Each parameter's relative error from the reference's: of its float32 main weight where
+        it keeps one (a bfloat16 parameter is that, rounded)."""
+        held = {n: self.opt.state.get(p, {}).get("main_weight", p) for n, p in self.named.items()}
+        return {n: relative_error(full(w).detach(), self.params[n]) for n, w in held.items()}

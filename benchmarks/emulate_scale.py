@@ -24,6 +24,14 @@ real matrices), which on GPUs would run on W hosts beside the device, must stay 
 the emulated times (at 400 TFLOP/s undilated, host work alone took 133 ms of a 8-bucket step at
 W=8 whose NS floor is 104 ms).
 
+``--model pi0``: pi0's Muon matrices instead (``benchmarks.paper.shapes.pi0_units``: SigLIP,
+projector, time MLP, joint Gemma + action-expert layers), each dimension / S rounded to the
+nearest integer (4304, SigLIP's MLP width, is divisible by 16 at most; the flops counted are
+the rounded matrices', so the step and its NS floor stay comparable); ``--layers`` L is then
+the joint layers, with round(1.5 L) SigLIP blocks beside them (27 : 18, as in pi0), default
+18 (the whole model); one ``Layer`` module per unit (a SigLIP block, the projector, the time
+MLP, a joint layer), as FSDP2 would wrap them.
+
 ``bucket_bytes`` is scaled alike (/ S^2), so buckets hold what they would at full size, and the
 planner's cost model is the emulated hardware's (``ns_flops_per_byte``, ``--tflops`` over
 ``--link-gbs``, and its host work per bucket, both scaled to the shrunk matrices). Reported per
@@ -53,12 +61,14 @@ world size, medians over ``--steps`` timed steps after warm-up, contenders in tu
     python -m benchmarks.emulate_scale --world-sizes 16 --layers 2    # fewer matrices than ranks
     python -m benchmarks.emulate_scale --world-sizes 8 --replicas 4 --layers 8 --latency-us 5 \
         --before ec845b2                                      # HSDP 4 x 2, a replica a node
+    python -m benchmarks.emulate_scale --model pi0 --scale 64 --world-sizes 8 16   # pi0, whole
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import os
 import socket
@@ -83,6 +93,7 @@ if TYPE_CHECKING:  # (the package is imported in each rank, from the folder its 
     from torch.distributed.device_mesh import DeviceMesh
 
 LLAMA3_8B = (4096, 1024, 14336)  # dim, kv dim, MLP width
+EMULATED_MODELS = ("llama3-8b", "pi0")
 DEFAULT_BUCKET = 128 * 2**20
 ONE_BUCKET = 2**62
 MAX_EXCHANGES = 4096
@@ -103,6 +114,26 @@ def layer_shapes(scale: int) -> list[tuple[int, int]]:
     """q, k, v, o, gate, up, down of one Llama-3-8B layer, each dimension / ``scale``."""
     dim, kv, ffn = (n // scale for n in LLAMA3_8B)
     return [(dim, dim), (kv, dim), (kv, dim), (dim, dim), (ffn, dim), (ffn, dim), (dim, ffn)]
+
+
+def model_units(args: argparse.Namespace) -> list[list[tuple[int, int]]]:
+    """The emulated model's matrices, shrunk by ``--scale``, one list per ``Layer`` module:
+    ``--layers`` Llama-3-8B layers, or pi0's units (module docstring)."""
+    if args.model != "pi0":
+        return [layer_shapes(args.scale)] * args.layers
+    # (imported here, in the main process only: a rank imports --before's package first)
+    from benchmarks.paper.shapes import pi0_units
+
+    def shrink(n: int) -> int:
+        return max(1, round(n / args.scale))
+
+    units = pi0_units(vision_layers=pi0_vision_layers(args.layers), joint_layers=args.layers)
+    return [[(shrink(r), shrink(c)) for _, shapes in unit for r, c in shapes] for unit in units]
+
+
+def pi0_vision_layers(joint_layers: int) -> int:
+    """SigLIP blocks beside ``joint_layers`` joint layers: 27 : 18, as in pi0."""
+    return round(joint_layers * 27 / 18)
 
 
 def matmul_flops(func: OpOverload, args: tuple[Any, ...]) -> int:
@@ -222,13 +253,13 @@ class _PacedWork:
         return result
 
 
-def make_params(layers: int, scale: int, mesh: DeviceMesh) -> list[torch.nn.Parameter]:
-    """The layers' weights, sharded by rows over the mesh's last dim (FSDP2; HSDP on a 2-D mesh,
-    replicated over its first)."""
+def make_params(units: list[list[tuple[int, int]]], mesh: DeviceMesh) -> list[torch.nn.Parameter]:
+    """The units' weights, in order, sharded by rows over the mesh's last dim (FSDP2; HSDP on a
+    2-D mesh, replicated over its first)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     gen = torch.Generator().manual_seed(0)
-    shapes = layer_shapes(scale) * layers
+    shapes = [shape for unit in units for shape in unit]
     placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     return [
         torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen) * 0.02, mesh, placements))
@@ -290,6 +321,7 @@ def rank_main(
     port: int,
     contender: Contender,
     args: argparse.Namespace,
+    units: list[list[tuple[int, int]]],
     table: torch.Tensor,
     out: str,
 ) -> None:
@@ -331,9 +363,9 @@ def rank_main(
         from dmuon_fsdp._step import pipeline
 
         pipeline.BUCKET_HOST_FLOPS /= args.scale**3
-    params = make_params(args.layers, args.scale, mesh)
-    per_layer = len(params) // args.layers
-    model = torch.nn.Sequential(*(Layer(params[i : i + per_layer]) for i in range(0, len(params), per_layer)))
+    params = make_params(units, mesh)
+    bounds = list(itertools.accumulate((len(unit) for unit in units), initial=0))
+    model = torch.nn.Sequential(*(Layer(params[a:b]) for a, b in itertools.pairwise(bounds)))
     opt = DMuonFSDP(params, **options)
     result.update(timed_steps(opt, model, params, device, link, args, world))
     plan, stats = opt.plan, opt.last_step_stats
@@ -350,7 +382,7 @@ def rank_main(
         buckets=len(plan.buckets), relays=len(getattr(plan, "relays", ())), buffer_bytes=stats.buffer_bytes
     )
     if contender.name.endswith("default") and contender.link_factor == 1:  # memory of a deeper model
-        deeper = make_params(args.layers * args.deeper, args.scale, mesh)
+        deeper = make_params(units * args.deeper, mesh)
         deep_opt = DMuonFSDP(deeper, **options)
         set_grads(deeper, 0)
         deep_opt.step()
@@ -421,10 +453,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, contender: Contender, args: argparse.Namespace) -> dict:
+def run(
+    world: int, contender: Contender, args: argparse.Namespace, units: list[list[tuple[int, int]]]
+) -> dict:
     table = torch.zeros(MAX_EXCHANGES, world, 2, dtype=torch.float64).share_memory_()
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.spawn(rank_main, args=(world, free_port(), contender, args, table, out.name), nprocs=world)
+        mp.spawn(rank_main, args=(world, free_port(), contender, args, units, table, out.name), nprocs=world)
         return json.loads(Path(out.name).read_text())
 
 
@@ -441,7 +475,19 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument(
+        "--model",
+        default="llama3-8b",
+        choices=EMULATED_MODELS,
+        help="the matrices: Llama-3-8B layers, or pi0's (SigLIP, projector, time MLP, joint layers)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="llama3-8b: layers (default 16); pi0: joint layers, with 1.5x as many SigLIP blocks "
+        "(default 18, the whole model)",
+    )
     parser.add_argument("--deeper", type=int, default=4)
     parser.add_argument("--scale", type=int, default=128, help="S: every dimension / S")
     parser.add_argument("--tflops", type=float, default=400.0, help="emulated bf16 matmul rate")
@@ -476,15 +522,18 @@ def main() -> None:
     )
     parser.add_argument("--out", default="runs/bench/emulate_scale.json")
     args = parser.parse_args()
-    if any(n % args.scale for n in LLAMA3_8B):
+    if args.layers is None:
+        args.layers = 18 if args.model == "pi0" else 16
+    if args.model == "llama3-8b" and any(n % args.scale for n in LLAMA3_8B):
         parser.error(f"--scale {args.scale} does not divide the Llama-3-8B dimensions {LLAMA3_8B}")
+    units = model_units(args)
     contenders = contenders_of(args)
     results: dict = {}
     for world in args.world_sizes:
         runs: dict = {c: [] for c in contenders}
         for _ in range(args.rounds):
             for c in contenders:
-                runs[c].append(run(world, c, args))
+                runs[c].append(run(world, c, args, units))
         for c, rs in runs.items():
             results[f"W={world} {c.name}"] = {
                 **rs[0],
@@ -535,8 +584,14 @@ def print_table(results: dict, args: argparse.Namespace) -> None:
         else f"{args.link_gbs:g} GB/s shared link"
     )
     mesh = f"HSDP {args.replicas} x W / {args.replicas}, " if args.replicas > 1 else ""
+    model = (
+        f"pi0-shaped matrices / {args.scale}, rounded ({pi0_vision_layers(args.layers)} SigLIP blocks, "
+        f"projector, time MLP, {args.layers} joint layers)"
+        if args.model == "pi0"
+        else f"Llama-3-8B-shaped layers / {args.scale} ({args.layers} layers)"
+    )
     print(
-        f"## Emulated GPUs: Llama-3-8B-shaped layers / {args.scale} ({args.layers} layers), {mesh}"
+        f"## Emulated GPUs: {model}, {mesh}"
         "bf16 NS and wire, "
         f"{args.tflops:g} TFLOP/s, {nodes}; medians of {args.steps} steps x "
         f"{args.rounds} rounds (device and link run {args.dilation:g}x slower, times divided back)\n"

@@ -288,6 +288,25 @@ def test_paper_e2e_spreads_buckets_and_the_overlap_never_costs_more(tmp_path):
             assert row["buckets"] == 1
 
 
+def test_paper_embodied_predicts_each_vla_on_ddp_fsdp_and_hsdp_against_adamw(tmp_path):
+    out = tmp_path / "embodied.json"
+    _run("paper", "--report", "embodied", "--meshes", "16x1", "1x16", "2x8", "--out", out)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"pi0", "wall-oss"}
+    for model in results.values():
+        assert model["measured"]["dmuon_ms"] > model["measured"]["adamw_ms"]
+        rows = {row["mesh"]: row for row in model["rows"]}
+        assert set(rows) == {"16x1", "1x16", "2x8"}
+        for row in rows.values():  # Muon's step costs more than AdamW's; the overlap never more
+            assert row["plain_pipelined"]["step_ms"] > row["adamw_ms"]
+            assert row["overlap"]["step_ms"] <= row["plain_pipelined"]["step_ms"] + 1e-9
+            assert row["far_mean_gib"] >= row["far_least_gib"] - 1e-9
+        # replicated layouts relay (overlap_forward leaves the relays to the next forward), which
+        # under DDP, a replica a rank, hides most of them
+        assert "overlap_forward" in rows["2x8"] and "overlap_forward" not in rows["1x16"]
+        assert rows["16x1"]["overlap_forward"]["step_ms"] < rows["16x1"]["plain_pipelined"]["step_ms"]
+
+
 def test_emulate_scale_reports_the_step_against_the_floor_one_bucket_and_a_fast_link(tmp_path):
     out = tmp_path / "emulate.json"
     _run(

@@ -10,8 +10,9 @@ from pathlib import Path
 import benchmarks.paper
 from benchmarks.paper.costs import GPUS
 from benchmarks.paper.e2e import e2e_report
+from benchmarks.paper.embodied import embodied_report
 from benchmarks.paper.moe import moe_report
-from benchmarks.paper.shapes import MODELS, MOE_MODELS
+from benchmarks.paper.shapes import MODELS, MOE_MODELS, VLA_MODELS
 from benchmarks.paper.step import balance_report, hsdp_report, step_report
 from dmuon_fsdp._step.buffers import SLOTS
 from dmuon_fsdp.config import NS_ALGORITHMS, Options
@@ -22,10 +23,15 @@ REPORTS = {
     "hsdp": hsdp_report,
     "e2e": e2e_report,
     "moe": moe_report,
+    "embodied": embodied_report,
 }
 
-DEFAULT_WORLD_SIZES = {"e2e": [64, 512, 1024], "moe": [64, 256, 1024]}
-DEFAULT_MESHES = {"e2e": ["64x8", "16x64", "32x32"], "hsdp": ["2x4", "4x8", "8x8"]}
+DEFAULT_WORLD_SIZES = {"e2e": [64, 512, 1024], "moe": [64, 256, 1024], "embodied": []}
+DEFAULT_MESHES = {
+    "e2e": ["64x8", "16x64", "32x32"],
+    "hsdp": ["2x4", "4x8", "8x8"],
+    "embodied": ["128x1", "1x128", "16x8"],  # DDP, flat FSDP2, HSDP on 16 nodes of 8
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="*",
         default=None,
-        help="default: 8 16 ... 1024 (e2e: flat FSDP on 64 512 1024; moe: 64 256 1024)",
+        help="default: 8 16 ... 1024 (e2e: flat FSDP on 64 512 1024; moe: 64 256 1024; embodied: none)",
     )
     parser.add_argument(
         "--tokens-per-rank", type=int, default=8192, help="e2e: tokens per rank per step (one backward)"
@@ -94,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=None,
         help="HSDP meshes, replicas x shards (hsdp: default 2x4 4x8 8x8; e2e: 64x8 16x64 32x32, after the "
-        "flat --world-sizes)",
+        "flat --world-sizes; embodied: 128x1 1x128 16x8, DDP, FSDP2 and HSDP on 16 nodes)",
     )
     parser.add_argument(
         "--before",
@@ -117,6 +123,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="moe: MoE layers (default: all; DeepSeek-V3 58, Mixtral 32)",
+    )
+    parser.add_argument(
+        "--vla-models", nargs="+", default=list(VLA_MODELS), choices=list(VLA_MODELS), help="embodied: models"
+    )
+    parser.add_argument(
+        "--samples-per-rank",
+        type=int,
+        default=48,
+        help="embodied: samples per rank per step (one backward; each stack's tokens per sample times this)",
     )
     parser.add_argument("--out", default=None, help="JSON (default: runs/bench/paper_<report>.json)")
     args = parser.parse_args(argv)

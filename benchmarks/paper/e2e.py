@@ -7,8 +7,11 @@ and HSDP R x S (``--meshes``, shard dim innermost). Per rank:
   ranks), ``--node-gbs`` per GPU within a node, ``--link-gbs`` per GPU between nodes, a latency of
   ``--latency-us`` per peer of an exchange. An all-to-all lasts as long as its busiest rank: the
   slower of its two links (bytes sent or received over it, the larger) plus its peers' latency.
-- Backward = 4 x (matrix parameters) x --tokens-per-rank flops / (peak x --mfu), per layer in
-  proportion to its parameters, last layer first; forward = half of that. Embeddings, head and
+- A model is its layers in forward order, each its matrices and its seconds of backward
+  (``Layer``; ``end_to_end`` takes any such list: ``benchmarks.paper.embodied`` gives VLAs' units
+  of unequal sizes and tokens). Here, a Llama model's equal layers (``llama_layers``): backward =
+  4 x (matrix parameters) x --tokens-per-rank flops / (peak x --mfu), per layer in proportion to
+  its parameters, last layer first; forward = half of that. Embeddings, head and
   attention-score flops are ignored (a shorter step: the optimizer's share is overstated, and
   there is less backward to hide it behind); every parameter counts as active.
 - AdamW = forward + backward + element-wise (``benchmarks.paper.costs``: the rank's 1/S of the
@@ -20,7 +23,8 @@ and HSDP R x S (``--meshes``, shard dim innermost). Per rank:
   element-wise. ``overlap_backward``: the buckets before the flags' carrier launch their exchange
   to the owners once backward is done with every layer holding their matrices. The critical path
   after backward is printed by kind (NS, to owners, back, relay, spill: an exchange launched in
-  backward still on the link after it).
+  backward still on the link after it). ``overlap_forward`` (with replicas): the plan with its
+  relays left to the next forward (its buckets, cut without the relays' load, may differ).
 - Bytes per rank per step (sent, every exchange) and across nodes (the larger of sent and
   received), against the least that any schedule orthogonalizing each matrix once in the job
   moves across nodes per rank (``instruments.traffic.least_far``).
@@ -57,24 +61,27 @@ from benchmarks.paper.costs import (
     print_row,
     resolve_gpu,
 )
-from benchmarks.paper.shapes import LLAMA_CONFIGS, MODELS, mesh_layouts
+from benchmarks.paper.shapes import LLAMA_CONFIGS, MODELS, Shape, mesh_layouts
 from dmuon_fsdp._step.pipeline import timeline
 from dmuon_fsdp._step.planner import Bucket, Plan, build_plan
 from instruments.plans import one_owner_bound, rank_loads
 from instruments.traffic import WAYS, Network, Traffic, least_far
 
 Mesh = tuple[int, int]  # replicas x shards
+# A layer of a model (an FSDP unit): its matrices (the model's, in order) and its seconds of backward
+Layer = tuple[list[Shape], float]
 
 
 def network_of(args: argparse.Namespace) -> Network:
     return Network(args.gpus_per_node, args.node_gbs, args.link_gbs, args.latency_us * 1e-6, WIRE_BYTES)
 
 
-def plan_of(model: str, mesh: Mesh, args: argparse.Namespace, forward_relays: bool = False) -> Plan:
-    costs = ns_costs(MODELS[model], args.ns_algorithms[0], args.ns_steps)
+def plan_of(shapes: list[Shape], mesh: Mesh, args: argparse.Namespace, forward_relays: bool = False) -> Plan:
+    """The planner's plan for the matrices ``shapes`` on ``mesh`` (shipped settings from ``args``)."""
+    costs = ns_costs(shapes, args.ns_algorithms[0], args.ns_steps)
     world = mesh[0] * mesh[1]
     bucket = args.bucket_mib * 2**20
-    matrices = mesh_layouts(MODELS[model], *mesh)
+    matrices = mesh_layouts(shapes, *mesh)
     return build_plan(
         matrices, costs, world, bucket, WIRE_BYTES, None, args.ns_flops_per_byte, forward_relays
     )
@@ -93,27 +100,36 @@ def forward_with_relays(relays: list[float], needed: list[int], layers: list[flo
     return clock
 
 
-def end_to_end(model: str, mesh: Mesh, plan: Plan, relayed: bool, args: argparse.Namespace) -> dict:
-    """Predicted forward + backward + optimizer step (ms) of AdamW and of DMuonFSDP, plain and
-    with overlap_backward, for ``model`` on ``mesh`` under ``plan`` (``relayed``: with the relay;
-    else each result from its owner to every holder)."""
-    replicas, shards = mesh
-    world = replicas * shards
+def llama_layers(model: str, args: argparse.Namespace) -> list[Layer]:
+    """A Llama model of ``MODELS`` as its equal layers, each 4 x its parameters x
+    --tokens-per-rank flops of backward at --mfu of peak."""
     shapes, layers = MODELS[model], LLAMA_CONFIGS[model][0]
     per_layer = len(shapes) // layers
-    layer_params = [sum(r * c for r, c in shapes[i * per_layer : (i + 1) * per_layer]) for i in range(layers)]
-    params = sum(layer_params)
-    layer_seconds = [4 * n * args.tokens_per_rank / (args.tflops * 1e12 * args.mfu) for n in layer_params]
+    out = []
+    for i in range(layers):
+        matrices = shapes[i * per_layer : (i + 1) * per_layer]
+        n = sum(r * c for r, c in matrices)
+        out.append((matrices, 4 * n * args.tokens_per_rank / (args.tflops * 1e12 * args.mfu)))
+    return out
+
+
+def end_to_end(layers: list[Layer], mesh: Mesh, plan: Plan, relayed: bool, args: argparse.Namespace) -> dict:
+    """Predicted forward + backward + optimizer step (ms) of AdamW and of DMuonFSDP, plain and
+    with overlap_backward, for the model of ``layers`` (in forward order; its matrices in order
+    are the plan's) on ``mesh`` under ``plan`` (``relayed``: with the relay; else each result
+    from its owner to every holder)."""
+    replicas, shards = mesh
+    world = replicas * shards
+    shapes = [shape for matrices, _ in layers for shape in matrices]
+    params = sum(r * c for r, c in shapes)
+    layer_seconds = [s for _, s in layers]
     backward, forward = sum(layer_seconds), sum(layer_seconds) / 2
     elementwise = elementwise_seconds(params, shards, args)
     network = network_of(args)
     traffic = Traffic.of(plan, network, relayed)
     seconds = {way: traffic.seconds(way) for way in WAYS}
     rate = ns_rate(args)
-    ns: list[dict[int, float]] = [{} for _ in plan.buckets]
-    for k, bucket in enumerate(plan.buckets):
-        for j in bucket.matrices:
-            ns[k][plan.owners[j]] = ns[k].get(plan.owners[j], 0.0) + plan.costs[j] / rate
+    ns = _ns_seconds(plan, rate)
     adamw = forward + backward + elementwise
     nodes = network.nodes(world)
     sent = traffic.total("sent")
@@ -137,9 +153,7 @@ def end_to_end(model: str, mesh: Mesh, plan: Plan, relayed: bool, args: argparse
         "far_least_gib": least_far(plan, nodes) * WIRE_BYTES / 2**30,
         "exchange_ms": {way: sum(s) * 1e3 for way, s in seconds.items()},
     }
-    layer_done = [sum(layer_seconds[layer:]) for layer in range(layers)]  # backward: last layer first
-    carrier = min(args.backward_buckets, len(plan.buckets) - 1)  # the buckets before it start in backward
-    started = [layer_done[min(j // per_layer for j in b.matrices)] for b in plan.buckets[:carrier]]
+    started = _started_in_backward(plan, layers, args)
     for name, begun in (("plain_pipelined", ()), ("overlap", started)):
         line = timeline(seconds, ns, backward, begun)
         step_end = line.end + elementwise
@@ -152,36 +166,50 @@ def end_to_end(model: str, mesh: Mesh, plan: Plan, relayed: bool, args: argparse
             "over_adamw": (forward + step_end) / adamw - 1,
         }
     if relayed and plan.relays:
-        row["overlap_forward"] = _finished_in_forward(model, mesh, args, network, ns, started, layer_seconds)
+        row["overlap_forward"] = _finished_in_forward(layers, mesh, args, network)
         row["overlap_forward"]["over_adamw"] = row["overlap_forward"]["step_ms"] / (adamw * 1e3) - 1
-    # (module docstring; the first layer's matrices come first in the shape lists)
-    bound = one_owner_bound(plan, range(per_layer), 1 / rate, network)
+    # (module docstring; the first layer's matrices come first)
+    bound = one_owner_bound(plan, range(len(layers[0][0])), 1 / rate, network)
     row["one_owner_bound_ms"] = (bound + elementwise) * 1e3
     return row
 
 
-def _finished_in_forward(
-    model: str,
-    mesh: Mesh,
-    args: argparse.Namespace,
-    network: Network,
-    ns: list[dict[int, float]],
-    started: list[float],
-    layer_seconds: list[float],
-) -> dict:
+def _ns_seconds(plan: Plan, rate: float) -> list[dict[int, float]]:
+    """Per bucket of ``plan``, each owner's seconds of NS in it at ``rate`` flop/s."""
+    ns: list[dict[int, float]] = [{} for _ in plan.buckets]
+    for k, bucket in enumerate(plan.buckets):
+        for j in bucket.matrices:
+            ns[k][plan.owners[j]] = ns[k].get(plan.owners[j], 0.0) + plan.costs[j] / rate
+    return ns
+
+
+def _started_in_backward(plan: Plan, layers: list[Layer], args: argparse.Namespace) -> list[float]:
+    """With overlap_backward, when each bucket before the flags' carrier launches its exchange to
+    the owners: once backward (last layer first) is done with every layer holding its matrices."""
+    layer_of = [i for i, (matrices, _) in enumerate(layers) for _ in matrices]
+    layer_seconds = [s for _, s in layers]
+    layer_done = [sum(layer_seconds[layer:]) for layer in range(len(layers))]  # backward: last layer first
+    carrier = min(args.backward_buckets, len(plan.buckets) - 1)  # the buckets before it start in backward
+    return [layer_done[min(layer_of[j] for j in b.matrices)] for b in plan.buckets[:carrier]]
+
+
+def _finished_in_forward(layers: list[Layer], mesh: Mesh, args: argparse.Namespace, network: Network) -> dict:
     """The step with ``overlap_backward`` and ``overlap_forward``: its relays, in parameter order,
-    left to the next forward (``forward_with_relays``); the forward's delay counts as the step's."""
-    plan = plan_of(model, mesh, args, forward_relays=True)
+    left to the next forward (``forward_with_relays``); the forward's delay counts as the step's.
+    Its plan's buckets may differ from the plan without (a bucket's load leaves its relays out)."""
+    shapes = [shape for matrices, _ in layers for shape in matrices]
+    plan = plan_of(shapes, mesh, args, forward_relays=True)
+    ns, started = _ns_seconds(plan, ns_rate(args)), _started_in_backward(plan, layers, args)
     traffic = Traffic.of(plan, network)
     seconds = {way: traffic.seconds(way) for way in WAYS[:2]} | {"relay": [0.0] * len(plan.buckets)}
+    layer_seconds = [s for _, s in layers]
     backward, forward = sum(layer_seconds), sum(layer_seconds) / 2
-    elementwise = elementwise_seconds(sum(r * c for r, c in MODELS[model]), mesh[1], args)
+    elementwise = elementwise_seconds(sum(r * c for r, c in shapes), mesh[1], args)
     line = timeline(seconds, ns, backward, started)
     step_end = line.end + elementwise
-    per_layer = len(MODELS[model]) // len(layer_seconds)
+    first = list(itertools.accumulate((len(matrices) for matrices, _ in layers), initial=0))
     needed = [
-        max((plan.relay_of[j] for j in range(i * per_layer, (i + 1) * per_layer)), default=-1)
-        for i in range(len(layer_seconds))
+        max((plan.relay_of[j] for j in range(first[i], first[i + 1])), default=-1) for i in range(len(layers))
     ]
     forwards = [s / 2 for s in layer_seconds]  # forward: half of backward, layer by layer
     delay = forward_with_relays(traffic.relay_seconds(), needed, forwards, step_end) - step_end - forward
@@ -259,9 +287,12 @@ def e2e_report(args: argparse.Namespace) -> dict:
                     world,
                     tuple(range(len(matrices))),
                 )
-                results[model].append({"package": "before", **end_to_end(model, mesh, old, False, args)})
-            plan = plan_of(model, mesh, args)
-            results[model].append({"package": "after", **end_to_end(model, mesh, plan, True, args)})
+                layers = llama_layers(model, args)
+                results[model].append({"package": "before", **end_to_end(layers, mesh, old, False, args)})
+            plan = plan_of(MODELS[model], mesh, args)
+            results[model].append(
+                {"package": "after", **end_to_end(llama_layers(model, args), mesh, plan, True, args)}
+            )
     print_table(results, args)
     return results
 

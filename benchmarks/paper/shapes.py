@@ -22,6 +22,38 @@ Simplified: the multi-token-prediction module, embeddings, head, norms and the r
 left out; each MLA projection is one matrix (not cut per head). Mixtral 8x7B: ``LLAMA_CONFIGS``'
 shapes plus a 4096 -> 8 router per layer, its 8 experts per layer as three stacks (torchtitan's
 grouped experts).
+
+Vision-language-action models (``VLA_MODELS``, ``--report embodied``): the Muon-routed hidden
+matrices as (out, in), in forward order, cut into units (``Unit``: the matrices of one FSDP unit
+or layer, grouped by the stack whose tokens they see); embeddings, patch embeddings, state and
+action projections from raw inputs, heads, norms and biases go to AdamW and are left out, as the
+Llama models' embeddings are. ``VLA_TOKENS``: tokens per sample each stack's matrices see.
+- pi0 (``pi0_units``; openpi ``src/openpi/models/gemma.py`` gemma_2b / gemma_300m and
+  ``pi0_config.py``, lerobot ``src/lerobot/policies/pi0/paligemma_with_expert.py``): SigLIP
+  So400m/14 (27 blocks, width 1152, MLP 4304: q, k, v, o, fc1, fc2), PaliGemma's projector
+  1152 -> 2048, the time MLP (``action_time_mlp_in`` 2048 -> 1024, ``_out`` 1024 -> 1024), then
+  18 joint layers, each Gemma 2B's (width 2048, 8 heads and 1 KV head of 256, MLP 16384) and the
+  action expert's (Gemma 300M: width 1024, 8 heads and 1 KV head of 256, MLP 4096) q, k, v, o,
+  gate, up, down in one unit (the forward calls both stacks' modules layer by layer). Tokens: 3
+  camera images at 224 x 224 -> 256 patches each (768) through SigLIP and the projector; Gemma
+  768 image + 48 text tokens (``max_token_len``); the expert 1 state + 50 action tokens
+  (``action_horizon``); the time MLP the 50 action tokens.
+- WALL-OSS (``wall_oss_units``; X-Square-Robot/wall-x ``workspace/models_config/
+  qwen2_5_moe_flash.json`` and ``wall_x/model/qwen2_5_based/modeling_qwen2_5_vl_act.py``,
+  ``action_head.py``): Qwen2.5-VL-3B's vision tower (32 blocks, width 1280: qkv as one
+  3840 x 1280 matrix, proj, SwiGLU MLP 3420), its merger MLP (2 x 2 patches: 5120 -> 5120 ->
+  2048), the action processor's time MLP (w2 4096 -> 2048, w3 2048 -> 2048; w1 and the state
+  projection take raw inputs), then 36 decoder layers: shared attention (hidden 2048, 16 heads
+  and 2 KV heads of 128) and two FFN experts routed by token type (``num_experts`` 2, static
+  routing): the VL FFN (Qwen's MLP, 11008) and the action FFN (2048), gate, up and down each.
+  (wall-x's later code fuses each expert's gate and up into one matrix; taken apart here, as in
+  the release and in Qwen2.5-VL.) 3.9B matrix parameters, 4.2B with the tied embedding. Tokens:
+  3 views (wall-x's aloha example: cam_high and both wrists) at ``resolution`` 256, 4:3 frames
+  -> 256 x 192 -> smart_resize to 252 x 196 = 18 x 14 = 252 patches each (756) through the vision
+  tower, 63 each after the 2 x 2 merge (189) into the merger and the LLM; about 72 text tokens
+  (the chat template, camera names, an instruction of some 15 tokens, ``<|propri|>``; an
+  estimate); 32 ``<|action|>`` tokens (``action_horizon`` 32), which alone take the action FFN
+  and the time MLP; the attention sees all 293, the VL FFN the other 261.
 """
 
 from __future__ import annotations
@@ -61,6 +93,60 @@ LLAMA_CONFIGS = {  # layers, dim, kv_dim, ffn, experts
 }
 
 MODELS = {name: llama_matrices(*config) for name, config in LLAMA_CONFIGS.items()}
+
+
+# A unit of a VLA: (stack, its matrices) for each stack with matrices in it, in forward order.
+Unit = list[tuple[str, list[Shape]]]
+
+
+def pi0_units(vision_layers: int = 27, joint_layers: int = 18) -> list[Unit]:
+    """pi0's Muon matrices in forward order (module docstring): ``vision_layers`` SigLIP blocks,
+    the projector, the time MLP, ``joint_layers`` joint layers (Gemma 2B's and the action
+    expert's matrices in one unit)."""
+    siglip = [(1152, 1152)] * 4 + [(4304, 1152), (1152, 4304)]  # q, k, v, o, fc1, fc2
+    gemma = llama_attention(2048, 256) + llama_mlp(2048, 16384)  # 8 heads of 256 = 2048
+    expert = [(2048, 1024), (256, 1024), (256, 1024), (1024, 2048)] + llama_mlp(1024, 4096)
+    return (
+        [[("vision", siglip)] for _ in range(vision_layers)]
+        + [[("projector", [(2048, 1152)])], [("time MLP", [(1024, 2048), (1024, 1024)])]]
+        + [[("gemma", gemma), ("expert", expert)] for _ in range(joint_layers)]
+    )
+
+
+def wall_oss_units(vision_layers: int = 32, layers: int = 36) -> list[Unit]:
+    """WALL-OSS's Muon matrices in forward order (module docstring): ``vision_layers`` blocks of
+    Qwen2.5-VL-3B's vision tower, its merger, the action processor's time MLP, ``layers`` decoder
+    layers (shared attention, the VL FFN and the action FFN)."""
+    vision = [(3840, 1280), (1280, 1280)] + llama_mlp(1280, 3420)  # qkv, proj, gate, up, down
+    return (
+        [[("vision", vision)] for _ in range(vision_layers)]
+        + [[("merger", [(5120, 5120), (2048, 5120)])], [("time MLP", [(2048, 4096), (2048, 2048)])]]
+        + [
+            [("attention", llama_attention(2048, 256)), ("VL FFN", llama_mlp(2048, 11008))]
+            + [("action FFN", llama_mlp(2048, 2048))]
+            for _ in range(layers)
+        ]
+    )
+
+
+VLA_MODELS: dict[str, Callable[[], list[Unit]]] = {"pi0": pi0_units, "wall-oss": wall_oss_units}
+
+VLA_TOKENS = {  # tokens per sample each stack's matrices see (module docstring)
+    "pi0": {"vision": 768, "projector": 768, "time MLP": 50, "gemma": 816, "expert": 51},
+    "wall-oss": {
+        "vision": 756,
+        "merger": 189,
+        "time MLP": 32,
+        "attention": 293,
+        "VL FFN": 261,
+        "action FFN": 32,
+    },
+}
+
+
+def unit_shapes(units: list[Unit]) -> list[Shape]:
+    """Every matrix of ``units``, in order."""
+    return [shape for unit in units for _, shapes in unit for shape in shapes]
 
 
 def row_sharded(shapes: list[Shape], world: int) -> list[MatrixLayout]:

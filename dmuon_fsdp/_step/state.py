@@ -242,19 +242,23 @@ def _lerp_across(
 ) -> None:
     """``muon_input`` for gradients of another dtype than the buffers' (lerp takes one dtype):
     each lerp as ``a * (1 - w) + b * w``, in the buffers' dtype ([Note: main weights])."""
-    new = torch._foreach_mul(buffers, momentum)
+    new = torch._foreach_mul(buffers, momentum)  # (``_lerp_across_`` into a new list)
     torch._foreach_add_(new, grads, alpha=1.0 - momentum)
     if nesterov:
-        torch._foreach_mul_(new, momentum)
-        torch._foreach_add_(new, grads, alpha=1.0 - momentum)
+        _lerp_across_(new, grads, momentum)
     torch._foreach_copy_(dst, new)
+
+
+def _lerp_across_(buffers: list[Tensor], grads: list[Tensor], momentum: float) -> None:
+    """``buffers.lerp_(grads, 1 - momentum)`` for gradients of another dtype."""
+    torch._foreach_mul_(buffers, momentum)
+    torch._foreach_add_(buffers, grads, alpha=1.0 - momentum)
 
 
 def commit_momentum(buffers: list[Tensor], grads: list[Tensor], momentum: float) -> None:
     """``buffers.lerp_(grads, 1 - momentum)``, as ``_lerp_across`` where their dtypes differ."""
     if grads and grads[0].dtype != buffers[0].dtype:
-        torch._foreach_mul_(buffers, momentum)
-        torch._foreach_add_(buffers, grads, alpha=1.0 - momentum)
+        _lerp_across_(buffers, grads, momentum)
     else:
         torch._foreach_lerp_(buffers, grads, 1.0 - momentum)
 

@@ -249,7 +249,7 @@ def _lerp_across(
     torch._foreach_copy_(dst, new)
 
 
-def _lerp_across_(buffers: list[Tensor], grads: list[Tensor], momentum: float) -> None:
+def _lerp_across_(buffers: list[Tensor] | tuple[Tensor, ...], grads: list[Tensor], momentum: float) -> None:
     """``buffers.lerp_(grads, 1 - momentum)`` for gradients of another dtype."""
     torch._foreach_mul_(buffers, momentum)
     torch._foreach_add_(buffers, grads, alpha=1.0 - momentum)

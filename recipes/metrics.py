@@ -116,16 +116,31 @@ class MetricsLog:
             self.writer.close()
 
 
+# What a record's validation and throughput are called, per recipe: (key, words).
+VALIDATION = (("val_loss", "val loss"), ("val_action_mse", "val action mse"))
+THROUGHPUT = (("tokens_per_s", "tok/s"), ("samples_per_s", "samples/s"))
+
+
+def validation(record: dict) -> str | None:
+    """The record's validation, in words, or None when it was not evaluated."""
+    return next((f"{words} {record[key]:.4f}" for key, words in VALIDATION if key in record), None)
+
+
+def throughput(record: dict) -> str:
+    return next(f"{record[key]:,.0f} {unit}" for key, unit in THROUGHPUT if key in record)
+
+
 def log_line(record: dict, steps: int) -> str:
-    """One step's plain log line: loss, validation loss when evaluated, both lrs, gradient norm,
+    """One step's plain log line: loss, validation when evaluated, both lrs, gradient norm,
     throughput, MFU when known, step time."""
     parts = [f"step {record['step']}/{steps}", f"loss {record['train_loss']:.4f}"]
-    if "val_loss" in record:
-        parts.append(f"val loss {record['val_loss']:.4f}")
+    checked = validation(record)
+    if checked:
+        parts.append(checked)
     parts.append(f"lr {record['lr']:.4g}")
     if record.get("adamw_lr") is not None:
         parts.append(f"adamw lr {record['adamw_lr']:.4g}")
-    parts += [f"grad norm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
+    parts += [f"grad norm {record['grad_norm']:.3f}", throughput(record)]
     if "mfu" in record:
         parts.append(f"mfu {record['mfu']:.1%}")
     parts.append(f"{record['fwd_bwd_ms'] + record['opt_ms']:.0f} ms (optimizer {record['opt_ms']:.1f})")
@@ -158,14 +173,15 @@ class Console:
             self.bar.set_postfix(
                 loss=f"{record['train_loss']:.3f}",
                 gnorm=f"{record['grad_norm']:.2f}",
-                tok_s=f"{record['tokens_per_s']:.0f}",
+                speed=throughput(record),
                 fb_ms=f"{record['fwd_bwd_ms']:.0f}",
                 opt_ms=f"{record['opt_ms']:.1f}",
             )
             self.bar.update(1)
-            if "val_loss" in record:
-                self.say(f"step {step}: val loss {record['val_loss']:.4f}")
-        elif step % self.log_every == 0 or "val_loss" in record or step == self.steps:
+            checked = validation(record)
+            if checked:
+                self.say(f"step {step}: {checked}")
+        elif step % self.log_every == 0 or validation(record) or step == self.steps:
             self.say(log_line(record, self.steps))
 
     def close(self) -> None:

@@ -143,15 +143,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="DMuonFSDP's bucket_bytes in MiB: the most one rank holds or moves per bucket "
         "(default: DMuonFSDP's, 128)",
     )
-    opt.add_argument(
-        "--warmup", type=int, default=None, help="linear warm-up steps (default: 20, or --steps if fewer)"
-    )
-    opt.add_argument("--decay", default="cosine", choices=["cosine", "linear"], help="lr decay after warm-up")
-    opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
-    opt.add_argument(
-        "--clip", type=float, default=1.0, help="clip the gradient norm to this (0: off; the norm is logged)"
-    )
-    opt.add_argument("--seed", type=int, default=0, help="seeds the model and the batches")
+    add_schedule_flags(opt)
     opt.add_argument(
         "--qk-clip",
         type=float,
@@ -172,6 +164,32 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="log each layer's largest pre-softmax logit (metrics max_logit, max_logit_per_layer)",
     )
 
+    add_run_flags(p)
+    system = add_system_flags(p)
+    system.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="HSDP: replicate over this many groups, shard within each (world size / replicas)",
+    )
+    return p
+
+
+def add_schedule_flags(opt: argparse._ArgumentGroup) -> None:
+    """The lr schedule, clipping and seed: every recipe's."""
+    opt.add_argument(
+        "--warmup", type=int, default=None, help="linear warm-up steps (default: 20, or --steps if fewer)"
+    )
+    opt.add_argument("--decay", default="cosine", choices=["cosine", "linear"], help="lr decay after warm-up")
+    opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
+    opt.add_argument(
+        "--clip", type=float, default=1.0, help="clip the gradient norm to this (0: off; the norm is logged)"
+    )
+    opt.add_argument("--seed", type=int, default=0, help="seeds the model and the batches")
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The run directory, checkpoints and logging: every recipe's."""
     run = p.add_argument_group("run directory, checkpoints and logging")
     run.add_argument(
         "--run-dir",
@@ -228,15 +246,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         "with --no-progress",
     )
 
+
+def add_system_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Device and threads: every recipe's (the group, for a recipe's own)."""
     system = p.add_argument_group("system")
     system.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when present"
-    )
-    system.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="HSDP: replicate over this many groups, shard within each (world size / replicas)",
     )
     system.add_argument(
         "--threads",
@@ -244,26 +259,33 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         default=None,
         help="torch threads per rank on CPU (default: cores / local ranks)",
     )
-    return p
+    return system
 
 
 # Settings of one launch, not of the run: a resume takes them from its own command line only.
 PER_LAUNCH = ("resume", "overwrite", "run_dir", "no_progress", "device", "threads")
 
 
-def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
-    """The flags; ``args.given`` names those on the command line (a resume keeps the saved run's
-    value of every other one: ``continue_run``)."""
-    parser = build_parser(description)
+def parse_args(
+    argv: list[str] | None,
+    description: str,
+    parser_of: Callable[[str], argparse.ArgumentParser] = build_parser,
+    default_lr: dict[str, float] = DEFAULT_LR,
+    run_name: str = "{preset}-{optimizer}",
+) -> argparse.Namespace:
+    """A recipe's flags (``parser_of``'s; pretraining's by default); ``args.given`` names those
+    on the command line (a resume keeps the saved run's value of every other one:
+    ``continue_run``). Without --run-dir a run goes to runs/``run_name``."""
+    parser = parser_of(description)
     args = parser.parse_args(argv)
     unset = object()  # argparse sets defaults only where the namespace has no value yet
     again = vars(parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset))))
     args.given = frozenset(key for key, value in again.items() if value is not unset)
     if args.lr is None:
-        args.lr = DEFAULT_LR[args.optimizer]
+        args.lr = default_lr[args.optimizer]
     if args.warmup is None:
         args.warmup = min(DEFAULT_WARMUP, args.steps)
-    args.run_dir = args.run_dir or _resumed_run_dir(args.resume) or f"runs/{args.preset}-{args.optimizer}"
+    args.run_dir = args.run_dir or _resumed_run_dir(args.resume) or "runs/" + run_name.format(**vars(args))
     return args
 
 
@@ -289,12 +311,14 @@ def _resumed_run_dir(resume: str | None) -> str | None:
     return str(path.parent.parent) if path.parent.name == "checkpoints" else str(path)
 
 
-def check_numbers(args: argparse.Namespace, world_size: int) -> None:
-    """Raise UsageError for flags out of range, naming the flag and its value."""
+def check_run_numbers(
+    args: argparse.Namespace, at_least: dict[str, tuple[int | None, int]], positive: dict[str, float | None]
+) -> None:
+    """Raise UsageError for flags out of range, naming the flag and its value: those every
+    recipe has, and a recipe's own (``at_least``: flag -> (value, least); ``positive``)."""
     at_least = {
         "--steps": (args.steps, 1),
         "--batch-size": (args.batch_size, 1),
-        "--grad-accum": (args.grad_accum, 1),
         "--warmup": (args.warmup, 0),
         "--val-every": (args.val_every, 1),
         "--val-batches": (args.val_batches, 1),
@@ -302,32 +326,19 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
         "--keep-last": (args.keep_last, 0),
         "--save-on-stop": (args.save_on_stop, 0),
         "--log-every": (args.log_every, 1),
-        "--replicas": (args.replicas, 1),
-        "--seq-len": (args.seq_len, 1),
-        "--ffn-dim": (args.ffn_dim, 1),
-        "--vocab-size": (args.vocab_size, 1),
         "--threads": (args.threads, 1),
+        **at_least,
     }
     for flag, (value, low) in at_least.items():
         if value is not None and value < low:
             raise UsageError(f"{flag} must be at least {low} (got {value})")
-    for flag, value in {
-        "--lr": args.lr,
-        "--adamw-lr": args.adamw_lr,
-        "--peak-tflops": args.peak_tflops,
-        "--qk-clip": args.qk_clip,
-    }.items():
-        if value is not None and not value > 0:
-            raise UsageError(f"{flag} must be positive (got {value:g})")
-    for flag, value in {"--weight-decay": args.weight_decay, "--clip": args.clip}.items():
-        if not value >= 0:
-            raise UsageError(f"{flag} must not be negative (got {value:g})")
-    if args.qk_clip is not None and not math.isfinite(args.qk_clip):
-        raise UsageError(f"--qk-clip must be finite (got {args.qk_clip:g})")
-    if args.qk_clip_alpha is not None and args.qk_clip is None:
-        raise UsageError("--qk-clip-alpha applies with --qk-clip only")
-    if args.qk_clip_alpha is not None and not 0 <= args.qk_clip_alpha <= 1:
-        raise UsageError(f"--qk-clip-alpha must be between 0 and 1 (got {args.qk_clip_alpha:g})")
+    positive = {"--lr": args.lr, "--adamw-lr": args.adamw_lr, "--peak-tflops": args.peak_tflops, **positive}
+    for flag, number in positive.items():
+        if number is not None and not number > 0:
+            raise UsageError(f"{flag} must be positive (got {number:g})")
+    for flag, number in {"--weight-decay": args.weight_decay, "--clip": args.clip}.items():
+        if not number >= 0:
+            raise UsageError(f"{flag} must not be negative (got {number:g})")
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {args.min_lr_ratio:g})")
     if "warmup" in args.given and args.warmup > args.steps:  # (the default is at most --steps)
@@ -335,6 +346,29 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
             f"--warmup {args.warmup} is longer than --steps {args.steps}: the lr would never reach "
             "its peak (pass a --warmup of at most --steps)"
         )
+    if args.overwrite and args.resume == "auto":
+        raise UsageError("--overwrite and --resume auto contradict each other: pass one")
+
+
+def check_numbers(args: argparse.Namespace, world_size: int) -> None:
+    """Raise UsageError for flags out of range, naming the flag and its value."""
+    check_run_numbers(
+        args,
+        {
+            "--grad-accum": (args.grad_accum, 1),
+            "--replicas": (args.replicas, 1),
+            "--seq-len": (args.seq_len, 1),
+            "--ffn-dim": (args.ffn_dim, 1),
+            "--vocab-size": (args.vocab_size, 1),
+        },
+        {"--qk-clip": args.qk_clip},
+    )
+    if args.qk_clip is not None and not math.isfinite(args.qk_clip):
+        raise UsageError(f"--qk-clip must be finite (got {args.qk_clip:g})")
+    if args.qk_clip_alpha is not None and args.qk_clip is None:
+        raise UsageError("--qk-clip-alpha applies with --qk-clip only")
+    if args.qk_clip_alpha is not None and not 0 <= args.qk_clip_alpha <= 1:
+        raise UsageError(f"--qk-clip-alpha must be between 0 and 1 (got {args.qk_clip_alpha:g})")
     if args.batch_size % (world_size * args.grad_accum):
         raise UsageError(
             f"--batch-size {args.batch_size} must be divisible by ranks x --grad-accum "
@@ -357,8 +391,6 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
             raise UsageError(f"{flag} applies to --optimizer dmuon only (got --optimizer {args.optimizer})")
     if args.bucket_mib is not None and not args.bucket_mib > 0:
         raise UsageError(f"--bucket-mib must be positive (got {args.bucket_mib:g})")
-    if args.overwrite and args.resume == "auto":
-        raise UsageError("--overwrite and --resume auto contradict each other: pass one")
 
 
 def lr_factor(args: argparse.Namespace) -> Callable[[int], float]:

@@ -17,15 +17,14 @@ torchrun trains in one process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 if not __package__:  # run by path (python recipes/x.py, torchrun recipes/x.py): the repository's recipes
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes import checkpoint, options, run_dir
+from recipes import checkpoint, options, run_dir, runner
 from recipes.build import (
     build_model,
     build_optimizers,
@@ -49,8 +48,8 @@ from recipes.data import Corpus, batch_for_step, check_corpus, load_corpus, vali
 from recipes.metrics import Console, MetricsLog, flops_per_token, peak_memory_mb, peak_tflops, step_times
 from recipes.model import ModelConfig, Transformer, preset
 from recipes.options import UsageError, lr_factor
-from recipes.run_lock import RunLock
-from recipes.stop import STOPPED, StopSignals, let_threads_run
+from recipes.runner import Rank0Files, Stopped, resume_command, save, should_save, take_lock
+from recipes.stop import StopSignals
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,82 +84,15 @@ def prepare(args: argparse.Namespace, world_size: int) -> Setup:
         tie_embeddings=args.tie_embeddings,
     )
     check_corpus(corpus, cfg, args, world_size)
-    return Setup(
-        corpus, cfg, run_dir.make_config(args, world_size, corpus.description, corpus.byte_level, cfg)
+    config = run_dir.make_config(
+        args,
+        world_size,
+        corpus.description,
+        dataclasses.asdict(cfg),
+        loss_unit="nats per byte" if corpus.byte_level else "nats per token",
+        tokens_per_step=args.batch_size * cfg.seq_len,
     )
-
-
-class RunFailure(Exception):
-    """A file rank 0 could not write (metrics, config, summary, pruning); the message names it."""
-
-
-def rank0_says(message: str | None) -> str | None:
-    """Rank 0's ``message`` on every rank (a rare-path collective), so that every rank raises,
-    and records for torchrun's report, the error rank 0 prints."""
-    box = [message]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-T = TypeVar("T")
-
-
-class Rank0Files:
-    """Rank 0's own file work. A failure is kept, and ``agree`` (the step's one reduction)
-    raises it on every rank, so none is left waiting in a collective for rank 0."""
-
-    def __init__(self, rank: int, device: torch.device):
-        self.rank, self.device = rank, device
-        self.error: str | None = None
-
-    def do(self, action: Callable[..., T], *args: Any) -> T | None:
-        """``action(*args)`` on rank 0 unless an earlier write failed; an OSError is kept."""
-        if self.rank != 0 or self.error is not None:
-            return None
-        try:
-            return action(*args)
-        except OSError as error:
-            self.error = f"could not write {error.filename or 'the run directory'}: {error.strerror or error}"
-            return None
-
-    def agree(self, *values: float) -> list[float]:
-        """Sum ``values`` over the ranks, with rank 0's failure; raises RunFailure on every rank
-        after one."""
-        sums = torch.tensor([float(self.error is not None), *values], dtype=torch.float64, device=self.device)
-        dist.all_reduce(sums)
-        if sums[0].item():
-            raise RunFailure(rank0_says(self.error) or "rank 0 could not write to the run directory")
-        return sums[1:].tolist()
-
-
-def take_lock(directory: Path, files: Rank0Files) -> RunLock | None:
-    """Rank 0 locks the run dir (refusing a second job) and checks that it can write there;
-    every rank learns the outcome."""
-    lock, failure = None, None
-    if files.rank == 0:
-        lock = RunLock(directory)
-        try:
-            note = lock.acquire()
-            probe = directory / "checkpoints" / ".write-test"  # a checkpoint dir made read-only
-            if probe.parent.is_dir():
-                probe.touch()
-                probe.unlink()
-            if note:
-                print(note, flush=True)
-        except (UsageError, OSError) as error:
-            lock.release()
-            lock = None
-            failure = (
-                error
-                if isinstance(error, UsageError)
-                else UsageError(f"--run-dir {directory}: cannot write {error.filename}: {error.strerror}")
-            )
-    failed = torch.tensor([float(failure is not None)], device=files.device)
-    dist.all_reduce(failed)
-    if failed.item():
-        message = rank0_says(str(failure) if failure else None)
-        raise UsageError(message or "rank 0 could not lock the run directory")
-    return lock
+    return Setup(corpus, cfg, config)
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -179,19 +111,6 @@ def train(args: argparse.Namespace) -> dict:
         finally:
             if lock:
                 lock.release()
-
-
-class Stopped(Exception):
-    """The run stopped on a signal, after its checkpoint; the message is the line rank 0 printed."""
-
-
-def resume_command(directory: Path) -> str:
-    """How to continue a run in ``directory`` (its settings come from its config.json)."""
-    if "LOCAL_WORLD_SIZE" not in os.environ:
-        return f"python -m recipes.pretrain --resume {directory}"
-    local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
-    nodes = "" if local == world else f" --nnodes {world // local} (and this job's rendezvous flags)"
-    return f"torchrun --nproc-per-node {local}{nodes} -m recipes.pretrain --resume {directory}"
 
 
 def run(
@@ -302,7 +221,7 @@ def run(
             where = f"checkpoint {saved[1]}" if saved[1] is not None else "no checkpoint saved"
             line = (
                 f"stopped by {stop.requested or 'a signal to another rank'} after step {step + 1} of "
-                f"{args.steps}; {where}; resume with: {resume_command(start.run_dir)}"
+                f"{args.steps}; {where}; resume with: {resume_command('recipes.pretrain', start.run_dir)}"
             )
             console.say(line)
             console.close()
@@ -320,41 +239,6 @@ def run(
     )
     files.agree()
     return history
-
-
-def should_save(args: argparse.Namespace, step: int, stopping: bool, newest: int | None) -> bool:
-    """Whether ``step`` (1-based, done) gets a checkpoint: every --save-every steps, the last one
-    (--save-final), and a step stopped at unless the newest checkpoint (the step it holds, None
-    without one) is fewer than --save-on-stop steps old."""
-    return bool(
-        (args.save_every and step % args.save_every == 0)
-        or (args.save_final and step == args.steps)
-        or (stopping and args.save_on_stop and (newest is None or step - newest >= args.save_on_stop))
-    )
-
-
-def save(
-    args: argparse.Namespace,
-    directory: Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler],
-    console: Console,
-    files: Rank0Files,
-) -> Path:
-    """A checkpoint of ``step``, keeping --keep-last of them: the oldest go before the save when
-    the disk lacks room for one more, else after it. A failed save raises CheckpointError."""
-    path = checkpoint.step_dir(directory, step)
-    for old in files.do(checkpoint.make_room, directory, args.keep_last) or []:
-        console.say(
-            f"deleted checkpoint {old} first (--keep-last {args.keep_last}: the disk is short of room)"
-        )
-    checkpoint.save(path, model, optimizers, schedulers, step)
-    console.say(f"saved checkpoint step {step} to {path}")
-    for old in (files.do(checkpoint.prune, directory, args.keep_last) or []) if args.keep_last else []:
-        console.say(f"deleted checkpoint {old} (--keep-last {args.keep_last})")
-    return path
 
 
 def write_summary(
@@ -396,38 +280,9 @@ def write_summary(
     )
 
 
-def record_for_torchrun(line: str) -> None:
-    """Under torchrun, leave ``line`` in the rank's error file, which torchrun's failure report
-    shows in its ``traceback`` field: the file has ``ErrorHandler``'s form with ``line`` in place
-    of the Python traceback that ``ErrorHandler.record_exception`` puts there, once per rank."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
-        with open(path, "w") as file:
-            json.dump({"message": {"message": line, "extraInfo": extra}}, file)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Train; returns the exit status (the same on every rank): 0, 2 for bad input, 1 for a
-    checkpoint or file that could not be read or written (one ``error: ...`` line from rank 0),
-    3 (``STOPPED``) after a SIGTERM or SIGINT and its checkpoint. Under torchrun the shell gets
-    torchrun's status instead (1 when a rank failed); its report shows each rank's status and the
-    error line."""
-    caller_group = dist.is_initialized()  # then the caller also destroys it
-    try:
-        train(parse_args(argv))
-        return 0
-    except Stopped:
-        return STOPPED
-    except (UsageError, checkpoint.CheckpointError, RunFailure) as error:
-        if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        record_for_torchrun(f"error: {error}")
-        return 2 if isinstance(error, UsageError) else 1
-    finally:
-        if dist.is_initialized() and not caller_group:
-            let_threads_run()  # a failed save's collectives (DCP's) leave tensors to gloo's threads
-            dist.destroy_process_group()
+    """Train; the exit status (``recipes.runner.main``)."""
+    return runner.main(train, lambda: parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ or the new one.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -23,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes import checkpoint
-from recipes.model import ModelConfig
 from recipes.options import PER_LAUNCH, UsageError, lr_factor, run_settings
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard")
@@ -50,18 +48,17 @@ class RunStart:
     config: dict  # written to config.json
 
 
-def make_config(
-    args: argparse.Namespace, world_size: int, data: str, byte_level: bool, model: ModelConfig
-) -> dict:
+def make_config(args: argparse.Namespace, world_size: int, data: str, model: dict, **about: object) -> dict:
+    """config.json: the run's identity, every flag, its data and model (``model`` holds the
+    model's settings, ``vocab_size`` among them), and what else the recipe says ``about`` it."""
     return {
         "run_id": uuid.uuid4().hex[:12],
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": world_size,
         "args": run_settings(args),
         "data": data,
-        "loss_unit": "nats per byte" if byte_level else "nats per token",
-        "tokens_per_step": args.batch_size * model.seq_len,
-        "model": dataclasses.asdict(model),
+        **about,
+        "model": model,
     }
 
 

@@ -1,4 +1,5 @@
-"""The pretraining recipe (docs/recipe.md): an application of dmuon_fsdp with needs of its own,
+"""The recipes: pretraining (docs/recipe.md) and a VLA policy (``recipes.vla``, docs/embodied.md),
+applications of dmuon_fsdp with needs of their own,
 the ``recipes`` extra (``pip install -e '.[recipes]'``); without them it stops with one line
 that says so."""
 

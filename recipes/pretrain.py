@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -39,16 +38,14 @@ from recipes.build import (
     build_optimizers,
     evaluate,
     gradient_norm,
-    keep_this_runs_settings,
     learning_rates,
     qk_clip,
-    setup_distributed,
 )
 from recipes.data import Corpus, batch_for_step, check_corpus, load_corpus, validation_batches
-from recipes.metrics import Console, MetricsLog, flops_per_token, peak_memory_mb, peak_tflops, step_times
+from recipes.metrics import flops_per_token, peak_memory_mb, peak_tflops, step_times
 from recipes.model import ModelConfig, Transformer, preset
 from recipes.options import UsageError, lr_factor
-from recipes.runner import Rank0Files, Stopped, resume_command, save, should_save, take_lock
+from recipes.runner import Rank0Files, save, should_save
 from recipes.stop import StopSignals
 
 
@@ -99,18 +96,7 @@ def train(args: argparse.Namespace) -> dict:
     """Run training; returns {"losses": {step: loss}, "val": {step: val_loss}} (same on every rank).
     Bad input raises UsageError before the model is built and before anything is written; a
     SIGTERM or SIGINT raises Stopped after the step in progress and its checkpoint."""
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    setup = prepare(args, world)
-    device = setup_distributed(args)
-    files = Rank0Files(dist.get_rank(), device)
-    with StopSignals(loud=files.rank == 0) as stop:
-        lock = take_lock(Path(args.run_dir), files)
-        try:  # planned under the lock: what another job writes cannot change it under us
-            start = run_dir.plan_start(args, setup.config, run_dir.find_resumed(args))
-            return run(args, setup, start, device, files, stop)
-        finally:
-            if lock:
-                lock.release()
+    return runner.launch(args, prepare, run)
 
 
 def run(
@@ -128,23 +114,13 @@ def run(
     optimizers = build_optimizers(args, model)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args)) for opt in optimizers]
     clip = qk_clip(args, model, optimizers[0])
-    if start.checkpoint is not None:  # before the run dir changes: a bad checkpoint leaves it as it was
-        settings = [
-            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers
-        ]
-        checkpoint.load(start.checkpoint, model, optimizers, schedulers)
-        keep_this_runs_settings(optimizers, schedulers, settings)
-    dist.barrier()  # every rank has planned from the run dir as it was before rank 0 changes it
-    elapsed = files.do(run_dir.begin, start) or 0.0
-    log = files.do(MetricsLog, start.run_dir, args.tensorboard, start.step + 1)
-    files.agree()  # every rank writes checkpoints into the run dir rank 0 has just set up
-    console = Console(rank == 0, args.no_progress, args.log_every, args.steps, start.step, args.optimizer)
-    for note in start.notes:
-        console.say(note)
-    resuming = f"; resuming from {start.checkpoint} (step {start.step})" if start.checkpoint else ""
-    console.say(
+    runner.restore(start, model, optimizers, schedulers)
+    elapsed, log, console = runner.open_run(
+        args,
+        start,
+        files,
         f"{args.optimizer}: {model.num_params() / 1e6:.2f}M parameters, {world} ranks on {device}, "
-        f"{corpus.description}, run dir {start.run_dir}{resuming}"
+        f"{corpus.description}",
     )
     val_data = validation_batches(
         corpus.val, cfg.seq_len, max(1, args.batch_size // world), args.val_batches, rank, world
@@ -217,15 +193,7 @@ def run(
             path = save(args, start.run_dir, step + 1, model, optimizers, schedulers, console, files)
             saved = (step + 1, path)
         if stopping:
-            files.agree()
-            where = f"checkpoint {saved[1]}" if saved[1] is not None else "no checkpoint saved"
-            line = (
-                f"stopped by {stop.requested or 'a signal to another rank'} after step {step + 1} of "
-                f"{args.steps}; {where}; resume with: {resume_command('recipes.pretrain', start.run_dir)}"
-            )
-            console.say(line)
-            console.close()
-            raise Stopped(line)
+            runner.stop_after("recipes.pretrain", args, step + 1, saved[1], start, stop, console, files)
     console.close()
     # Every rank's peak memory (the exit waits for gloo's threads to let go of these tensors:
     # recipes.stop.let_threads_run).

@@ -1,9 +1,11 @@
-"""What every recipe's run shares: rank 0's file work and the step's one reduction
-(``Rank0Files``), the run lock taken for all ranks, checkpoints (``should_save``, ``save``), a
-stop on a signal (``Stopped``, ``resume_command``) and the exit: ``main`` runs a recipe's
-``train`` and turns its errors into one ``error: ...`` line and an exit status (0 done, 2 bad
-input, 1 a file or checkpoint that could not be read or written, 3 stopped by SIGTERM or SIGINT
-after saving a checkpoint).
+"""What every recipe's run shares: ``launch`` (checks, the process group, the run lock taken for
+all ranks, where the run starts, then the recipe's ``run``), ``restore`` (a resume),
+``open_run`` (the run dir set up, the metrics log and console), rank 0's file work and the
+step's one reduction (``Rank0Files``), checkpoints (``should_save``, ``save``), a stop on a
+signal (``stop_after``: ``Stopped``, with the command that resumes) and the exit: ``main`` runs
+a recipe's ``train`` and turns its errors into one ``error: ...`` line and an exit status (0
+done, 2 bad input, 1 a file or checkpoint that could not be read or written, 3 stopped by
+SIGTERM or SIGINT after saving a checkpoint).
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from recipes import checkpoint
-from recipes.metrics import Console
+from recipes import checkpoint, run_dir
+from recipes.build import keep_this_runs_settings, setup_distributed
+from recipes.metrics import Console, MetricsLog
 from recipes.options import UsageError
 from recipes.run_lock import RunLock
-from recipes.stop import STOPPED, let_threads_run
+from recipes.stop import STOPPED, StopSignals, let_threads_run
 
 
 class RunFailure(Exception):
@@ -158,6 +161,92 @@ def record_for_torchrun(line: str) -> None:
         extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
         with open(path, "w") as file:
             json.dump({"message": {"message": line, "extraInfo": extra}}, file)
+
+
+class Prepared(Protocol):
+    config: dict  # config.json of the run
+
+
+P = TypeVar("P", bound=Prepared)
+
+
+def launch(
+    args: argparse.Namespace,
+    prepare: Callable[[argparse.Namespace, int], P],
+    run: Callable[[argparse.Namespace, P, run_dir.RunStart, torch.device, Rank0Files, StopSignals], dict],
+) -> dict:
+    """A recipe's run: ``prepare`` (every check that needs no process group; reads only), the
+    process group, the run dir locked, where the run starts planned under the lock (what another
+    job writes cannot change it under us), then ``run``; a SIGTERM or SIGINT raises ``Stopped``
+    after the step in progress and its checkpoint (``stop_after``)."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    setup = prepare(args, world)
+    device = setup_distributed(args)
+    files = Rank0Files(dist.get_rank(), device)
+    with StopSignals(loud=files.rank == 0) as stop:
+        lock = take_lock(Path(args.run_dir), files)
+        try:
+            start = run_dir.plan_start(args, setup.config, run_dir.find_resumed(args))
+            return run(args, setup, start, device, files, stop)
+        finally:
+            if lock:
+                lock.release()
+
+
+def restore(start: run_dir.RunStart, model: torch.nn.Module, optimizers: list, schedulers: list) -> None:
+    """Resume from ``start``'s checkpoint, if any, before the run dir changes (a bad checkpoint
+    leaves it as it was); this run's flags win over the restored hyperparameters."""
+    if start.checkpoint is None:
+        return
+    settings = [
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers
+    ]
+    checkpoint.load(start.checkpoint, model, optimizers, schedulers)
+    keep_this_runs_settings(optimizers, schedulers, settings)
+
+
+def open_run(
+    args: argparse.Namespace, start: run_dir.RunStart, files: Rank0Files, headline: str
+) -> tuple[float, MetricsLog | None, Console]:
+    """Rank 0 sets the run dir up (once every rank has planned from it as it was) and opens the
+    metrics log; every rank then writes checkpoints there. Returns the time the run took before
+    (a resume), the log (rank 0's) and the console, which has said the plan's notes and
+    ``headline``."""
+    dist.barrier()
+    elapsed = files.do(run_dir.begin, start) or 0.0
+    log = files.do(MetricsLog, start.run_dir, args.tensorboard, start.step + 1)
+    files.agree()
+    console = Console(
+        files.rank == 0, args.no_progress, args.log_every, args.steps, start.step, args.optimizer
+    )
+    for note in start.notes:
+        console.say(note)
+    resuming = f"; resuming from {start.checkpoint} (step {start.step})" if start.checkpoint else ""
+    console.say(f"{headline}, run dir {start.run_dir}{resuming}")
+    return elapsed, log, console
+
+
+def stop_after(
+    module: str,
+    args: argparse.Namespace,
+    step: int,
+    saved: Path | None,
+    start: run_dir.RunStart,
+    stop: StopSignals,
+    console: Console,
+    files: Rank0Files,
+) -> NoReturn:
+    """End a run stopped by a signal after ``step`` (1-based; ``saved``: the newest checkpoint):
+    say how to resume recipe ``module`` and raise ``Stopped``."""
+    files.agree()
+    where = f"checkpoint {saved}" if saved is not None else "no checkpoint saved"
+    line = (
+        f"stopped by {stop.requested or 'a signal to another rank'} after step {step} of "
+        f"{args.steps}; {where}; resume with: {resume_command(module, start.run_dir)}"
+    )
+    console.say(line)
+    console.close()
+    raise Stopped(line)
 
 
 def main(train: Callable[[argparse.Namespace], object], args: Callable[[], argparse.Namespace]) -> int:

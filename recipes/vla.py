@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -34,12 +33,12 @@ if not __package__:  # run by path: the repository's recipes
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dmuon_fsdp import DMuonFSDP, clip_grad_norm_, param_groups
-from recipes import checkpoint, episodes, options, run_dir, runner
-from recipes.build import keep_this_runs_settings, learning_rates, setup_distributed
-from recipes.metrics import Console, MetricsLog, peak_memory_mb, step_times
+from recipes import episodes, options, run_dir, runner
+from recipes.build import learning_rates
+from recipes.metrics import peak_memory_mb, step_times
 from recipes.options import UsageError, lr_factor
 from recipes.policy import PRESETS, Policy, PolicyConfig, flow_matching_loss, preset, sample_actions
-from recipes.runner import Rank0Files, Stopped, resume_command, save, should_save, take_lock
+from recipes.runner import Rank0Files, save, should_save
 from recipes.stop import StopSignals
 
 DEFAULT_LR = {"dmuon": 0.02, "adamw": 2e-3}  # from the sweep in docs/embodied.md
@@ -239,18 +238,7 @@ def closed_loop(
 def train(args: argparse.Namespace) -> dict:
     """Run training and the closed-loop evaluation; returns {"losses": {step: loss}, "val":
     {step: action error}, "success": rate} (the same on every rank)."""
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    setup = prepare(args, world)
-    device = setup_distributed(args)
-    files = Rank0Files(dist.get_rank(), device)
-    with StopSignals(loud=files.rank == 0) as stop:
-        lock = take_lock(Path(args.run_dir), files)
-        try:
-            start = run_dir.plan_start(args, setup.config, run_dir.find_resumed(args))
-            return run(args, setup, start, device, files, stop)
-        finally:
-            if lock:
-                lock.release()
+    return runner.launch(args, prepare, run)
 
 
 def run(
@@ -266,22 +254,14 @@ def run(
     policy, model = build(args, cfg, device)
     optimizer = build_optimizer(args, policy)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args))
-    if start.checkpoint is not None:
-        settings = [[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]]
-        checkpoint.load(start.checkpoint, policy, [optimizer], [scheduler])
-        keep_this_runs_settings([optimizer], [scheduler], settings)
-    dist.barrier()  # every rank has planned from the run dir as it was before rank 0 changes it
-    elapsed = files.do(run_dir.begin, start) or 0.0
-    log = files.do(MetricsLog, start.run_dir, args.tensorboard, start.step + 1)
-    files.agree()
-    console = Console(rank == 0, args.no_progress, args.log_every, args.steps, start.step, args.optimizer)
-    for note in start.notes:
-        console.say(note)
-    resuming = f"; resuming from {start.checkpoint} (step {start.step})" if start.checkpoint else ""
+    runner.restore(start, policy, [optimizer], [scheduler])
     params = sum(p.numel() for p in policy.parameters())
-    console.say(
+    elapsed, log, console = runner.open_run(
+        args,
+        start,
+        files,
         f"{args.optimizer}: {params / 1e6:.2f}M parameters ({args.dtype}), {args.parallel} over {world} "
-        f"ranks on {device}, {setup.config['data']}, run dir {start.run_dir}{resuming}"
+        f"ranks on {device}, {setup.config['data']}",
     )
     history: dict = {"losses": {}, "val": {}}
     fb_times, opt_times = [], []
@@ -328,15 +308,7 @@ def run(
             path = save(args, start.run_dir, step + 1, policy, [optimizer], [scheduler], console, files)
             saved = (step + 1, path)
         if stopping:
-            files.agree()
-            where = f"checkpoint {saved[1]}" if saved[1] is not None else "no checkpoint saved"
-            line = (
-                f"stopped by {stop.requested or 'a signal to another rank'} after step {step + 1} of "
-                f"{args.steps}; {where}; resume with: {resume_command('recipes.vla', start.run_dir)}"
-            )
-            console.say(line)
-            console.close()
-            raise Stopped(line)
+            runner.stop_after("recipes.vla", args, step + 1, saved[1], start, stop, console, files)
     console.close()
     success, rollouts = closed_loop(model, cfg, data.val, args, device)
     history["success"] = success

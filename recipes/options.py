@@ -164,7 +164,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="log each layer's largest pre-softmax logit (metrics max_logit, max_logit_per_layer)",
     )
 
-    add_run_flags(p)
+    run = add_run_flags(p)
+    run.add_argument("--val-batches", type=int, default=4, help="validation batches per evaluation")
+    run.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak TFLOP/s of one device for MFU (default: known GPUs; none on CPU)",
+    )
     system = add_system_flags(p)
     system.add_argument(
         "--replicas",
@@ -188,8 +195,8 @@ def add_schedule_flags(opt: argparse._ArgumentGroup) -> None:
     opt.add_argument("--seed", type=int, default=0, help="seeds the model and the batches")
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """The run directory, checkpoints and logging: every recipe's."""
+def add_run_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The run directory, checkpoints and logging: every recipe's (the group, for a recipe's own)."""
     run = p.add_argument_group("run directory, checkpoints and logging")
     run.add_argument(
         "--run-dir",
@@ -224,16 +231,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--keep-last", type=int, default=0, help="keep only the newest K complete checkpoints (0: all)"
     )
-    run.add_argument(
-        "--val-every", type=int, default=50, help="validation loss every N steps (and at the end)"
-    )
-    run.add_argument("--val-batches", type=int, default=4, help="validation batches per evaluation")
-    run.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=None,
-        help="peak TFLOP/s of one device for MFU (default: known GPUs; none on CPU)",
-    )
+    run.add_argument("--val-every", type=int, default=50, help="validation every N steps (and at the end)")
     run.add_argument(
         "--tensorboard", action="store_true", help="also log to <run-dir>/tensorboard (needs tensorboard)"
     )
@@ -245,6 +243,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         help="a log line every N steps (and at each validation) when output is not a terminal or "
         "with --no-progress",
     )
+    return run
 
 
 def add_system_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -321,7 +320,6 @@ def check_run_numbers(
         "--batch-size": (args.batch_size, 1),
         "--warmup": (args.warmup, 0),
         "--val-every": (args.val_every, 1),
-        "--val-batches": (args.val_batches, 1),
         "--save-every": (args.save_every, 0),
         "--keep-last": (args.keep_last, 0),
         "--save-on-stop": (args.save_on_stop, 0),
@@ -332,7 +330,7 @@ def check_run_numbers(
     for flag, (value, low) in at_least.items():
         if value is not None and value < low:
             raise UsageError(f"{flag} must be at least {low} (got {value})")
-    positive = {"--lr": args.lr, "--adamw-lr": args.adamw_lr, "--peak-tflops": args.peak_tflops, **positive}
+    positive = {"--lr": args.lr, "--adamw-lr": args.adamw_lr, **positive}
     for flag, number in positive.items():
         if number is not None and not number > 0:
             raise UsageError(f"{flag} must be positive (got {number:g})")
@@ -360,8 +358,9 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
             "--seq-len": (args.seq_len, 1),
             "--ffn-dim": (args.ffn_dim, 1),
             "--vocab-size": (args.vocab_size, 1),
+            "--val-batches": (args.val_batches, 1),
         },
-        {"--qk-clip": args.qk_clip},
+        {"--qk-clip": args.qk_clip, "--peak-tflops": args.peak_tflops},
     )
     if args.qk_clip is not None and not math.isfinite(args.qk_clip):
         raise UsageError(f"--qk-clip must be finite (got {args.qk_clip:g})")

@@ -320,7 +320,7 @@ def run(
         "dtype": args.dtype,
         "world_size": world,
         "steps": args.steps,
-        "params": sum(p.numel() for p in policy.parameters()),
+        "params": params,
         "lr": args.lr,
         "success": success,
         "eval_episodes": args.eval_episodes,

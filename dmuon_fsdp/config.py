@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -185,10 +186,17 @@ class Settings:
     in_backward: bool  # steps start in backward (``dmuon_fsdp.backward``): its plan, groups, carrier
     in_forward: bool  # relays are finished in the next forward (``dmuon_fsdp.forward``): its plan
     structural: tuple[str, ...]  # ``structural_options()`` (variants are registered before optimizers)
+    # each main weight held by one rank, by parameter ([Note: main weights], ``planning.main_homes``)
+    homes: Mapping[Tensor, int] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
     def resolve(
-        cls, options: Options, site: comm.ExchangeSite, device: torch.device, in_backward: bool
+        cls,
+        options: Options,
+        site: comm.ExchangeSite,
+        device: torch.device,
+        in_backward: bool,
+        homes: Mapping[Tensor, int] | None = None,
     ) -> Settings:
         """``options`` for parameters on ``device`` (dtypes left None take the device's default)."""
         ns_dtype = options.ns_dtype or default_ns_dtype(device)
@@ -205,6 +213,7 @@ class Settings:
             in_backward,
             options.overlap_forward,
             structural_options(),
+            homes or {},
         )
 
     @property

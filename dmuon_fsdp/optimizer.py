@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from torch.optim import optimizer as optimizer_module
 from dmuon_fsdp._step.planner import Plan
 from dmuon_fsdp._step.run import StepStats
 from dmuon_fsdp._step.runtime import Runtime
-from dmuon_fsdp._step.state import check_state_dict, initial_state, restore_loaded
+from dmuon_fsdp._step.state import MAIN, check_state_dict, initial_state, restore_loaded, restore_state
 from dmuon_fsdp._step.swaps import follow, follow_fully_shard
 from dmuon_fsdp.config import GROUP_OPTIONS, OPTIMIZER_WIDE, Option, Options, check_lr
 from dmuon_fsdp.newton_schulz import MUON_COEFFICIENTS
@@ -197,6 +197,20 @@ class DMuonFSDP(Optimizer):
     def _set_meshes(self, meshes: dict[Any, str]) -> None:  # the parameters or their meshes changed
         self._muon_meshes = meshes
         self._runtime.set_meshes(meshes, self._params, self.param_groups, self._names, self._options)
+        settings = self._runtime.ready()  # main weights to the ranks that now hold them
+        restore_state(self.param_groups, self.state, settings.homes, settings.site.rank)
+
+    def _keep_main_weights_on_every_holder(self, params: Sequence[Tensor]) -> None:
+        """Every rank holding one of ``params`` keeps its main weight, not its owner alone
+        (``QKClip`` scales them on every holder; [Note: main weights]); one whose owner held it
+        starts again from the parameter, alike on every rank."""
+        homes = self._runtime.ready().homes
+        moved = [p for p in params if p in homes]
+        self._runtime.everywhere.update(params)
+        for p in moved:
+            self.state[p].pop(MAIN, None)
+        if moved:
+            self._set_meshes(self._muon_meshes)
 
     def _set_options(self, options: Options) -> None:  # a settable option changed (``config.Option``)
         self._options = options
@@ -267,7 +281,8 @@ class DMuonFSDP(Optimizer):
             for old, group in zip(state_dict["param_groups"], self.param_groups, strict=True)
             for key, p in zip(old["params"], group["params"], strict=True)
         }
-        restore_loaded(self.param_groups, self.state, saved)
+        settings = self._runtime.ready()
+        restore_loaded(self.param_groups, self.state, saved, settings.homes, settings.site.rank)
         self._runtime.programs.state_replaced()
         self._state_written = True
 

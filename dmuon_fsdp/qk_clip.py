@@ -103,6 +103,10 @@ class QKClip:
             for p in (layer.q, layer.k)
         }
         self.width = max((layer.heads for layer in self.layers), default=0)
+        # every holder scales its rows in float32, main weights included: each keeps its own
+        keep_mains = getattr(optimizer, "_keep_main_weights_on_every_holder", None)
+        if keep_mains is not None:
+            keep_mains(list(self._first_rows))
 
     @staticmethod
     def _check(

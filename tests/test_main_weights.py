@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def trained(
         set_grads(model, step)
         opt.step()
     opt.finish_step()
-    return changes(model, start), model
+    return changes(model, start), model, opt
 
 
 def test_bf16_weights_keep_their_updates_in_one_process():
@@ -98,26 +99,45 @@ SHARDED_STEPS = 30  # (sharded steps cost more; rounded to nearest, 30 already m
 
 
 def sharded(rank, world_size, layout, options):
-    got, model = trained(layout, steps=SHARDED_STEPS, **options)
+    got, model, opt = trained(layout, steps=SHARDED_STEPS, **options)
     local = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in model.weights]
-    return got, [t.clone() for t in local]
+    mains = [opt.state[p].get("main_weight") for p in model.weights]
+    main_bytes = [
+        m.to_local().nbytes if isinstance(m, DTensor) else m.nbytes if m is not None else 0 for m in mains
+    ]
+    return got, [t.clone() for t in local], main_bytes
 
 
 @pytest.mark.parametrize(
     "layout,world_size,options",
-    [("fsdp", 3, {}), ("one", 2, {}), ("hsdp", 4, {"overlap_forward": True, "bucket_bytes": 2**14})],
+    [
+        ("fsdp", 3, {}),
+        ("one", 3, {}),
+        ("one", 2, {"overlap_forward": True, "bucket_bytes": 2**14}),
+        ("hsdp", 4, {"overlap_forward": True, "bucket_bytes": 2**14}),
+    ],
 )
 def test_bf16_weights_keep_their_updates_sharded_and_replicas_stay_equal(layout, world_size, options):
-    """FSDP2 (uneven shards), plain tensors under DDP (every rank a replica: the relay carries each
-    result to the others) and HSDP with the relays left to the next forward."""
+    """FSDP2 (uneven shards: each rank the main rows of its shard), plain tensors under DDP
+    (every rank a replica: each main weight held by its owner alone, which sends the new rows;
+    the relay carries them to the others) and HSDP, with the relays left to the next forward."""
     want = reference(SHARDED_STEPS)
     results = run_ranks(sharded, world_size, layout, options, timeout=300)
-    for got, _ in results:
+    for got, _, _ in results:
         assert min(cosines(got, want)) >= 0.99, cosines(got, want)
     if layout != "fsdp":  # replicas hold the same rows, bitwise (HSDP: ranks 0 and 2, 1 and 3)
-        twins = [(0, 1)] if layout == "one" else [(0, 2), (1, 3)]
+        twins = [(a, b) for a in range(world_size) for b in range(a)] if layout == "one" else [(0, 2), (1, 3)]
         for a, b in twins:
             assert all(torch.equal(x, y) for x, y in zip(results[a][1], results[b][1], strict=True))
+    held = [bytes_ for _, _, bytes_ in results]  # main weight bytes by rank and parameter
+    whole = [4 * math.prod(s) for s in SHAPES]
+    if layout == "one":  # DDP: each main weight on one rank, whole; every rank holds some
+        for i, size in enumerate(whole):
+            assert sorted(h[i] for h in held) == [0] * (world_size - 1) + [size], [h[i] for h in held]
+        assert all(sum(h) for h in held)
+    else:  # one main weight per replica, its rows where they are held
+        replicas = 2 if layout == "hsdp" else 1
+        assert [sum(h[i] for h in held) for i in range(len(SHAPES))] == [replicas * size for size in whole]
 
 
 def test_a_checkpoint_resumes_exactly_and_a_write_is_taken():
@@ -147,6 +167,45 @@ def test_a_checkpoint_resumes_exactly_and_a_write_is_taken():
     set_grads(model, 20)
     opt.step()
     assert torch.equal(model.weights[0], torch.full_like(model.weights[0], 0.25))
+
+
+def ddp_resumes(rank, world_size):
+    """Five steps, then three runs on: uninterrupted, from this rank's own state dict, and from
+    rank 0's (what a rank-0 ``torch.save`` keeps: the main weights rank 0 holds)."""
+    runs = []
+    for _ in range(3):
+        model = Matrices(torch.bfloat16)
+        runs.append((model, DMuonFSDP(model.parameters(), lr=LR)))
+    first, opt = runs[0]
+    for step in range(5):
+        set_grads(first, step)
+        opt.step()
+    saved = [copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict())]
+    shared = [saved[1]]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    for (model, o), state in zip(runs[1:], (saved[1], shared[0]), strict=True):
+        model.load_state_dict(saved[0])
+        o.load_state_dict(state)
+    held = [[p for p in model.parameters() if "main_weight" in o.state[p]] for model, o in runs]
+    counts = [len(h) for h in held]
+    for step in range(5, 10):
+        for model, o in runs:
+            set_grads(model, step)
+            o.step()
+    return counts, [[p.detach().clone() for p in model.parameters()] for model, _ in runs]
+
+
+def test_under_ddp_each_rank_saves_the_main_weights_it_holds_and_resumes_exactly():
+    """Under DDP a rank's state dict holds the main weights it owns: loaded back, the next steps
+    equal the uninterrupted run's bitwise; rank 0's loaded on every rank (the others' main weights
+    made again from the parameters) keeps the replicas bitwise equal, each main weight on its
+    owner alone."""
+    results = run_ranks(ddp_resumes, 2, timeout=300)
+    for counts, (uninterrupted, own, _) in results:
+        assert counts[0] == counts[1] == counts[2] and 0 < counts[0] < len(SHAPES), counts
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, own, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1][2], results[1][1][2], strict=True))
+    assert sum(counts[0] for counts, _ in results) == len(SHAPES)
 
 
 def test_adamw_on_bf16_keeps_its_updates():

@@ -25,7 +25,7 @@ Q_ROWS, K_ROWS = (0, HEADS * HEAD_DIM), (HEADS * HEAD_DIM, (HEADS + KV_HEADS) * 
 
 
 class Attention(nn.Module):
-    """Separate q and k projections (20 and 10 rows) and a fused qkv one (40 rows)."""
+    """Separate q and k projections (20 and 10 rows), a fused qkv one (40 rows) and another."""
 
     def __init__(self):
         super().__init__()
@@ -33,10 +33,11 @@ class Attention(nn.Module):
         self.wq = nn.Linear(DIM, HEADS * HEAD_DIM, bias=False)
         self.wk = nn.Linear(DIM, KV_HEADS * HEAD_DIM, bias=False)
         self.qkv = nn.Linear(DIM, (HEADS + 2 * KV_HEADS) * HEAD_DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)  # (not clipped)
 
     def forward(self, step):
-        x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(step))
-        return sum(layer(x).pow(2).sum() for layer in (self.wq, self.wk, self.qkv))
+        x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(step)).to(self.wq.weight.dtype)
+        return sum(layer(x).float().pow(2).sum() for layer in (self.wq, self.wk, self.qkv, self.wo))
 
 
 def layers(model):
@@ -104,7 +105,13 @@ def run(rank, world_size, model, loss, tensor_parallel=False):
         reference_clip(reference.params, expected)
 
     train([(model, opt)], STEPS, loss=loss, reference=reference, after_step=after_step)
-    return reference.errors(), untouched
+    held = {n: "main_weight" in opt.state[p] for n, p in model.named_parameters()}
+    return (
+        reference.errors(),
+        untouched,
+        held,
+        {n: _local(p).detach().clone() for n, p in model.named_parameters()},
+    )
 
 
 def fsdp(rank, world_size):
@@ -124,6 +131,11 @@ def ddp(rank, world_size):
     return run(rank, world_size, model, DistributedDataParallel(model))
 
 
+def ddp_bf16(rank, world_size):
+    model = Attention().to(torch.bfloat16)
+    return run(rank, world_size, model, DistributedDataParallel(model))
+
+
 def fsdp_tp(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = Attention()
@@ -134,17 +146,31 @@ def fsdp_tp(rank, world_size):
     return run(rank, world_size, model, model, tensor_parallel=True)
 
 
-CASES = {"fsdp": (fsdp, [1, 2, 3, 4]), "hsdp": (hsdp, [4]), "ddp": (ddp, [2]), "fsdp_tp": (fsdp_tp, [4])}
+CASES = {
+    "fsdp": (fsdp, [1, 2, 3, 4]),
+    "hsdp": (hsdp, [4]),
+    "ddp": (ddp, [2]),
+    "ddp_bf16": (ddp_bf16, [3]),
+    "fsdp_tp": (fsdp_tp, [4]),
+}
 
 
 @pytest.mark.parametrize("layout,world_size", [(k, w) for k, (_, ws) in CASES.items() for w in ws])
 def test_clip_matches_float64_reference(layout, world_size):
     # W=3 cuts wq's 20 rows 7/7/6 and wk's 10 rows 4/4/2: heads straddle shard boundaries.
     results = run_ranks(CASES[layout][0], world_size)
-    print(f"{layout} W={world_size}: max relative error {max(max(e.values()) for e, _ in results):.2e}")
-    for errors, untouched in results:
-        assert max(errors.values()) <= 1e-5, errors
+    worst = max(e for errors, *_ in results for e in errors.values() if e is not None)
+    print(f"{layout} W={world_size}: max relative error {worst:.2e}")
+    for errors, untouched, _, _ in results:
+        assert max(e for e in errors.values() if e is not None) <= 1e-5, errors
         assert untouched and all(untouched)
+    if layout == "ddp_bf16":  # QK-clip's weights keep their main weights on every rank, the others
+        # on their owner alone; the replicas stay bitwise equal
+        for name in results[0][2]:
+            holders = sum(held[name] for _, _, held, _ in results)
+            assert holders == (world_size if name in ("wq.weight", "wk.weight", "qkv.weight") else 1), name
+        for _, _, _, params in results[1:]:
+            assert all(torch.equal(params[n], results[0][3][n]) for n in params)
 
 
 def test_rule_single_process_bitwise_for_heads_under_tau():

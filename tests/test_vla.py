@@ -87,9 +87,10 @@ def pi0_run(rank, world_size, layout, frozen, options):
     )
 
 
-def pi0_bf16_run(rank, world_size):
+def pi0_bf16_run(rank, world_size, options):
     """pi0 in lerobot's mix: bfloat16 but for the patch and position embeddings and the norms
-    (``to_bfloat16_for_selected_params``), the forward under autocast; DDP."""
+    (``to_bfloat16_for_selected_params``), the forward under autocast; DDP (each main weight
+    held by its matrix's owner alone)."""
     model = Pi0()
     for stack in (model.vlm, model.expert):
         stack.to(torch.bfloat16)
@@ -103,7 +104,7 @@ def pi0_bf16_run(rank, world_size):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return ddp(pi0_batch(10 * step + rank)).float()
 
-    errors, counts = against_reference(model, routed(model), loss)
+    errors, counts = against_reference(model, routed(model), loss, **options)
     return errors, counts, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -156,12 +157,15 @@ def test_a_vla_trains_as_the_float64_reference(model, layout, world_size, frozen
         assert set(UNREAD[model]) <= set(no_grad)
 
 
-def test_pi0_in_lerobots_bf16_mix_keeps_float32_main_weights_that_follow_the_reference():
+@pytest.mark.parametrize("options", [{}, {"overlap_backward": True}, {"overlap_forward": True}])
+def test_pi0_in_lerobots_bf16_mix_keeps_float32_main_weights_that_follow_the_reference(options):
     """Its bfloat16 Muon matrices' float32 main weights follow the float64 reference fed the
-    same gradients as closely as float32 weights do; the replicas stay bitwise equal."""
+    same gradients as closely as float32 weights do; the replicas stay bitwise equal: also
+    with the step begun in backward (the owners' new main weights made before the verdict) and
+    with its relays left to the next forward."""
     from tests.support.spawn import run_ranks
 
-    results = run_ranks(pi0_bf16_run, 2, timeout=300)
+    results = run_ranks(pi0_bf16_run, 2, options, timeout=300)
     check([(errors, counts) for errors, counts, _ in results], min_owners=2)
     params = [p for _, _, p in results]
     dtypes = {p.dtype for p in params[0].values()}

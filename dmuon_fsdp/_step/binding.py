@@ -48,6 +48,7 @@ from dmuon_fsdp._step.program import (
     Copies,
     Entry,
     MuonLists,
+    NewMains,
     NSInputs,
     RelayProgram,
     Stage,
@@ -75,12 +76,12 @@ def bind(
     ``groups`` in optimizer order."""
     plan, forms, schedule = planned.plan, planned.forms, planned.schedule
     entries = [Entry(i, g, params[i]) for i, g in planned.entries]
-    binder = _Binder(plan, forms, schedule, entries, groups, state, settings, pool)
+    binder = _Binder(plan, forms, schedule, entries, planned.owner_mains, groups, state, settings, pool)
     if not pool.fits(binder.needed):  # measured only: bind again into arenas of the sizes asked
         needed = binder.needed
         del binder  # its views of the arenas that grow must not outlive them
         pool.grow(needed)
-        binder = _Binder(plan, forms, schedule, entries, groups, state, settings, pool)
+        binder = _Binder(plan, forms, schedule, entries, planned.owner_mains, groups, state, settings, pool)
     buckets = binder.buckets
     wire = schedule.buckets[schedule.carrier].to_owners
     carrier = buckets[schedule.carrier].to_owners  # bound to ``wire``: None when it is
@@ -127,6 +128,7 @@ class _Binder:
         forms: Sequence[NSForm],
         schedule: RankSchedule,
         entries: list[Entry],
+        owner_mains: frozenset[int],
         groups: list[dict[str, Any]],
         state: Any,
         settings: Settings,
@@ -137,6 +139,10 @@ class _Binder:
         self.entries = tuple(entries)
         self.locals = [local_shard(e.param) for e in self.entries]
         self.mains, self.targets = self.main_weights()
+        # entries whose main weight their owner holds (here or not), and all of those whose
+        # state is float32 for a 16-bit parameter (a gradient of another dtype than its momentum)
+        self.owner_held = frozenset(i for i, e in enumerate(self.entries) if e.position in owner_mains)
+        self.wide = frozenset(self.mains) | self.owner_held
         self.muon = [i for i, e in enumerate(self.entries) if groups[e.group]["use_muon"]]
         self.staged = settings.comm_dtype != settings.ns_dtype
         # How many pieces of each parameter this rank orthogonalizes, over all buckets: a
@@ -292,6 +298,7 @@ class _Binder:
         factors = self.carry_rows(
             bucket, to_owners, from_owners, owned_rows, back, spread, assemble, collect, writes
         )
+        new_mains, scratch = self.new_mains(bucket, region, factors, back)
         keep = self.keep(self.plan_bucket(k), self.kept, returned, factors)  # (relays left to the forward)
         relays = tuple(
             self.relay(g, returned, factors) for g, relay in enumerate(self.plan.relays) if relay.bucket == k
@@ -306,9 +313,10 @@ class _Binder:
             assemble,
             batches,
             row_steps,
+            new_mains,
             collect,
             from_owners.exchange,
-            self.updates(returned, factors),
+            self.updates(returned, factors, scratch),
             writes,
             keep,
             relays,
@@ -376,7 +384,7 @@ class _Binder:
         updates = self.updates([(slot.transfer, slot.piece) for slot in wire.received], relayed)
         if not self.settings.in_forward:
             self.needed[RELAY, g % SLOTS] = max(self.needed[RELAY, g % SLOTS], region.used)
-        entries = tuple(sorted({e for u in updates for e in u.entries}))
+        entries = tuple(sorted({e for u in updates for e in u.touched}))
         return RelayProgram(g, keep, pack, wire.exchange, updates, writes, entries)
 
     def relays_of(self) -> dict[Tensor, tuple[int, ...]]:
@@ -412,15 +420,27 @@ class _Binder:
         return from_owners, collect, returned
 
     def updates(
-        self, returned: Sequence[tuple[Transfer, Tensor]], factors: dict[Transfer, Tensor]
+        self,
+        returned: Sequence[tuple[Transfer, Tensor]],
+        factors: dict[Transfer, Tensor],
+        scratch: dict[Transfer, Tensor] | None = None,
     ) -> tuple[Updates, ...]:
-        """Each result applied to its piece of the parameter: one ``Updates`` per step size."""
+        """Each result applied to its piece of the parameter: one ``Updates`` per step size. A
+        parameter whose main weight its owner holds gets its rows' new values instead (and the
+        owner its new main weight, from ``scratch``: see ``new_mains``)."""
         updates: dict[tuple[int, float], Updates] = {}
         for t, direction in returned:
             cls = self.update_class(t.matrix)
             row_factors = factors.get(t)
             u = updates.setdefault(cls, Updates(*cls, [], [], [] if row_factors is not None else None))
             e = self.entry_of(t.matrix)
+            if e in self.owner_held:
+                u.values.add(piece_of(self.locals[e], t.piece), direction)
+                u.value_entries.append(e)
+                if scratch and t in scratch:
+                    u.values.add(piece_of(self.mains[e], t.piece), scratch[t])
+                    u.value_entries.append(e)
+                continue
             u.params.append(piece_of(self.targets[e], t.piece))
             u.directions.append(direction)
             u.entries.append(e)
@@ -431,6 +451,40 @@ class _Binder:
                 assert u.row_scales is not None  # a group's matrices all have its row variant, or none
                 u.row_scales.append(row_factors.view(-1, 1))
         return tuple(updates.values())
+
+    def new_mains(
+        self,
+        bucket: BucketSchedule,
+        region: Callable[[Transfer], Tensor],
+        factors: dict[Transfer, Tensor],
+        back: Region,
+    ) -> tuple[tuple[NewMains, ...], dict[Transfer, Tensor]]:
+        """The new main weights of the matrices owned here whose main weights are held here
+        ([Note: main weights] in ``dmuon_fsdp._step.state``; their owner holds them whole), made
+        in float32 scratch from ``back`` and written over the results (``region``) before they
+        are collected (one ``NewMains`` per step size); the scratch by own result, which the
+        main weights take after the verdict (``updates``)."""
+        scratch: dict[Transfer, Tensor] = {}
+        made: dict[tuple[int, float], NewMains] = {}
+        for t in bucket.own_results:
+            e = self.entry_of(t.matrix)
+            if e not in self.owner_held:
+                continue
+            main = piece_of(self.mains[e], t.piece)
+            new_main = scratch[t] = back.take(main.numel(), torch.float32).view(main.shape)
+            cls = self.update_class(t.matrix)
+            row_factors = factors.get(t)
+            if cls not in made:
+                update = Updates(*cls, [], [], [] if row_factors is not None else None)
+                made[cls] = NewMains(Copies([], []), cls[0], update.params, update, Copies([], []))
+            new = made[cls]
+            new.take.add(new_main, main)
+            new.update.params.append(new_main)
+            new.update.directions.append(region(t))
+            if new.update.row_scales is not None and row_factors is not None:
+                new.update.row_scales.append(row_factors.view(-1, 1))
+            new.spread.add(region(t), new_main)
+        return tuple(made.values()), scratch
 
     def carry_rows(
         self,
@@ -529,7 +583,7 @@ class _Binder:
                 spread.src.extend(piece_of(scratch, t.piece) for _, t in by_entry[i])
             # (entries with main weights apart: their gradients' dtype is not their momentum's)
             split = [
-                [c for c in chosen if (c[0] in self.mains) is main]
+                [c for c in chosen if (c[0] in self.wide) is main]
                 for chosen in (straight, through)
                 for main in (False, True)
             ]
@@ -552,10 +606,11 @@ class _Binder:
         for group, everyone in self._by_group(muon=True).items():
             # (entries with main weights apart: their gradients' dtype is not their momentum's)
             for main in (False, True):
-                members = [i for i in everyone if (i in self.mains) is main]
+                members = [i for i in everyone if (i in self.wide) is main]
                 if not members:
                     continue
-                params = [self.targets[i] for i in members]
+                # (those whose main weight their owner holds are decayed there: ``NewMains``)
+                params = [self.targets[i] for i in members if i not in self.owner_held]
                 buffers = [local_shard(state[self.entries[i].param]["momentum_buffer"]) for i in members]
                 lists.append(MuonLists(group, tuple(members), params, buffers))
         return tuple(lists)
@@ -581,10 +636,10 @@ class _Binder:
         return tuple(lists)
 
     def _by_group(self, muon: bool) -> dict[int, list[int]]:
-        """Entry indices (= positions in the step's gradient list) by param group, those with a
-        main weight after the others."""
+        """Entry indices (= positions in the step's gradient list) by param group, those with
+        float32 state for a 16-bit parameter after the others."""
         out: dict[int, list[int]] = defaultdict(list)
-        for i, e in sorted(enumerate(self.entries), key=lambda item: item[0] in self.mains):
+        for i, e in sorted(enumerate(self.entries), key=lambda item: item[0] in self.wide):
             if self.groups[e.group]["use_muon"] == muon:
                 out[e.group].append(i)
         return out

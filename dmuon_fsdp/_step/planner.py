@@ -265,6 +265,7 @@ def build_plan(
     param_of: Sequence[int] | None = None,
     flops_per_byte: float = 0.0,
     forward_relays: bool = False,
+    homes: Sequence[int | None] | None = None,
 ) -> Plan:
     """Assign owners by NS cost (``costs[j]``, matrix j's flops) over all matrices and cut them
     into buckets in which no rank holds or moves more than ``bucket_bytes`` (in elements of
@@ -276,21 +277,19 @@ def build_plan(
     the parameters are listed in model order), after every bucket.
 
     A matrix that some ranks hold whole (a 1-row matrix, an expert of an expert-sharded stack,
-    also when replicated) is owned by one of them: nothing is sent to its owner. Buckets follow
-    the assignment order (largest first, and among equal costs the later matrix first): each next
-    matrix goes to the least-loaded rank, so a bucket holds about ``bucket_bytes`` of matrices
-    per owner, on every owner, and its NS work is about the same on each; while one bucket's NS
-    runs, the next bucket's exchange is in flight. The ramp may take a first and a last bucket
-    out of that order. Among the matrices of one shape (a model's layers), the last layers' come
-    first: their gradients land first in backward, so that the first bucket can start there
-    (``overlap_backward``).
-    """
+    also when replicated) is owned by one of them: nothing is sent to its owner; one with a home
+    (``homes[j]``: ``_allowed``) there. Buckets follow the assignment order (largest first, and
+    among equal costs the later matrix first): each next matrix goes to the least-loaded rank, so
+    a bucket holds about ``bucket_bytes`` of matrices per owner, on every owner, and its NS work
+    is about the same on each; while one bucket's NS runs, the next bucket's exchange is in
+    flight. The ramp may take a first and a last bucket out of that order. Among the matrices of
+    one shape (a model's layers), the last layers' come first: their gradients land first in
+    backward, so that the first bucket can start there (``overlap_backward``)."""
     _check_tiles(matrices, costs, world_size)
-    allowed = [m.full_holders if 0 < len(m.full_holders) < world_size else None for m in matrices]
     owners, order = assign_owners(
         costs,
         world_size,
-        allowed,
+        _allowed(matrices, world_size, homes),
         [m.replicas for m in matrices],
         [_class_ids(m) for m in matrices],
         [m.numel for m in matrices],
@@ -316,6 +315,18 @@ def build_plan(
         ]
     relays = tuple(Relay(group, k) for k, groups_of in groups for group in groups_of)
     return Plan(tuple(matrices), tuple(costs), tuple(owners), buckets, world_size, param_of, relays)
+
+
+def _allowed(
+    matrices: Sequence[MatrixLayout], world_size: int, homes: Sequence[int | None] | None
+) -> list[Sequence[int] | None]:
+    """Where each matrix may be owned: its home (the rank holding its main weight, [Note: main
+    weights] in ``dmuon_fsdp._step.state``; the others are balanced around it), else the ranks
+    holding it whole (all: any)."""
+    return [
+        (home,) if home is not None else m.full_holders if 0 < len(m.full_holders) < world_size else None
+        for m, home in zip(matrices, homes or [None] * len(matrices), strict=True)
+    ]
 
 
 def _check_tiles(matrices: Sequence[MatrixLayout], costs: Sequence[int], world_size: int) -> None:

@@ -7,19 +7,20 @@ tensors; ``dmuon_fsdp._step.binding`` makes it into tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from dmuon_fsdp._step.buffers import SLOTS
 from dmuon_fsdp._step.errors import agree_on_plan
 from dmuon_fsdp._step.flags import FLAG_ELEMENTS, StepKey
 from dmuon_fsdp._step.layouts import MatrixLayout, describe_params
-from dmuon_fsdp._step.planner import Plan, build_plan
+from dmuon_fsdp._step.planner import Plan, assign_owners, build_plan
 from dmuon_fsdp._step.schedule import PerRow, RankSchedule, rank_schedule
-from dmuon_fsdp._step.state import stale_layouts
+from dmuon_fsdp._step.state import LOW_PRECISION, keeps_main, stale_layouts
 from dmuon_fsdp.config import Settings, check_groups, row_settings
 from dmuon_fsdp.newton_schulz import Coefficients, ns_segments, resolve_coefficients, segments_flops
 from dmuon_fsdp.routing import indexed
@@ -58,6 +59,7 @@ class Planned:
     forms: tuple[NSForm, ...]
     schedule: RankSchedule
     entries: tuple[tuple[int, int], ...]  # (position, param group) of each parameter with a gradient
+    owner_mains: frozenset[int] = frozenset()  # positions of those whose main weight one owner holds
 
 
 def _forms(
@@ -72,6 +74,53 @@ def _forms(
     return out
 
 
+def main_homes(
+    groups: list[dict[str, Any]],
+    names: dict,
+    ranks: Sequence[int],
+    everywhere: Collection[Tensor] = (),
+    previous: Mapping[Tensor, int] | None = None,
+) -> dict[Tensor, int]:
+    """The home (a plan rank) of each Muon parameter in a 16-bit type that every rank of the
+    exchange (``ranks``) holds whole, as under DDP, but those in ``everywhere`` (whose main
+    weights every holder keeps: ``QKClip`` scales them there): its owner in every plan and the
+    one rank holding its main weight ([Note: main weights] in ``dmuon_fsdp._step.state``).
+    Longest-processing-time-first over their NS work (rows x cols x the short side of each
+    matrix), so that each rank holds about 1/W of them; those of ``previous`` (the homes before
+    the parameters or meshes changed, over the same ranks) stay where they were. Depends only on
+    the parameters' order, shapes and placements: every rank derives the same homes."""
+    every = indexed(groups)
+    candidates = [
+        (p, names[p], groups[g])
+        for g, p in every
+        if groups[g]["use_muon"] and p.dtype in LOW_PRECISION and p not in everywhere
+    ]
+    layouts, param_of = describe_params(candidates, ranks)
+    whole, costs = [True] * len(candidates), [0] * len(candidates)
+    for m, i in zip(layouts, param_of, strict=True):
+        whole[i] = whole[i] and len(m.full_holders) == len(ranks)
+        costs[i] += m.rows * m.cols * min(m.rows, m.cols)
+    chosen = [i for i in range(len(candidates)) if whole[i]]
+    kept = previous or {}
+    allowed = [(kept[p],) if (p := candidates[i][0]) in kept else None for i in chosen]
+    owners, _ = assign_owners([costs[i] for i in chosen], len(ranks), allowed)
+    return {candidates[i][0]: owner for i, owner in zip(chosen, owners, strict=True)}
+
+
+def _homes(
+    positions: Sequence[int],
+    described: Sequence[tuple[Tensor, str, dict]],
+    param_of: Sequence[int],
+    homes: Mapping[Tensor, int],
+) -> tuple[frozenset[int], list[int | None]]:
+    """Of the Muon parameters with a gradient (``described``, at ``positions``), the positions of
+    those whose main weight one rank holds (they keep one, and have a home: ``main_homes``),
+    and each of their matrices' home, which owns it every step (None: any owner)."""
+    held = [p in homes and keeps_main(p, group) for p, _, group in described]
+    owner_mains = frozenset(i for i, h in zip(positions, held, strict=True) if h)
+    return owner_mains, [homes[described[i][0]] if held[i] else None for i in param_of]
+
+
 def plan_program(
     key: StepKey, groups: list[dict[str, Any]], state: Any, names: dict, settings: Settings
 ) -> Planned | Trouble:
@@ -84,6 +133,8 @@ def plan_program(
     layouts, param_of = describe_params(described, settings.site.ranks)
     forms = _forms(layouts, [described[i][2] for i in param_of], settings.ns_dtype)
     costs = [segments_flops(m.rows, m.cols, f.segments) for m, f in zip(layouts, forms, strict=True)]
+    positions = [i for i, g in entries if groups[g]["use_muon"]]  # (of ``described``)
+    owner_mains, homes = _homes(positions, described, param_of, settings.homes)
     site = settings.site.group
     plan = build_plan(
         layouts,
@@ -94,6 +145,7 @@ def plan_program(
         param_of,
         settings.ns_flops_per_byte,
         settings.in_forward,
+        homes,
     )
     trouble = bool(stale_layouts([p for _, p in every], state))
     group = site.process_group if key.checked else None
@@ -125,4 +177,4 @@ def plan_program(
     # slots hold with one to spare for the carrier (see dmuon_fsdp._step.run, the bucket loop).
     carrier = min(SLOTS - 1, len(plan.buckets) - 1) if settings.in_backward else 0
     schedule = rank_schedule(plan, exchange.rank, exchange.peers, flag_elements, max(carrier, 0), per_row)
-    return Planned(plan, tuple(forms), schedule, entries)
+    return Planned(plan, tuple(forms), schedule, entries, owner_mains)

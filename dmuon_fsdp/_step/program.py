@@ -97,7 +97,9 @@ class Updates:
     results, each row scaled by its number in ``row_scales`` (views shaped (rows, 1)) when given;
     ``entries``: the program entry each view is of. A view of a main weight ([Note: main weights]
     in ``dmuon_fsdp._step.state``) is rounded into its parameter's view after (``rounded``, of
-    entries ``rounded_entries``)."""
+    entries ``rounded_entries``). Rows of a parameter whose main weight its owner holds arrive
+    as their new values (``NewMains``): ``values`` copies them into the parameter's view (and,
+    on the owner, its new main weight into place), of entries ``value_entries``."""
 
     group: int
     scale: float
@@ -107,12 +109,20 @@ class Updates:
     entries: list[int] = field(default_factory=list)
     rounded: Copies = field(default_factory=lambda: Copies([], []))
     rounded_entries: list[int] = field(default_factory=list)
+    values: Copies = field(default_factory=lambda: Copies([], []))
+    value_entries: list[int] = field(default_factory=list)
+
+    @property
+    def touched(self) -> set[int]:
+        """The entries whose rows these updates write."""
+        return {*self.entries, *self.value_entries}
 
     def without(self, entries: frozenset[int]) -> Updates:
         """These updates but those of ``entries`` (a relay's rows for parameters written since
         the step: ``dmuon_fsdp.forward``)."""
         keep = [i for i, e in enumerate(self.entries) if e not in entries]
         kept = [i for i, e in enumerate(self.rounded_entries) if e not in entries]
+        copied = [i for i, e in enumerate(self.value_entries) if e not in entries]
         scales = self.row_scales
         return Updates(
             self.group,
@@ -123,13 +133,16 @@ class Updates:
             [self.entries[i] for i in keep],
             Copies([self.rounded.dst[i] for i in kept], [self.rounded.src[i] for i in kept]),
             [self.rounded_entries[i] for i in kept],
+            Copies([self.values.dst[i] for i in copied], [self.values.src[i] for i in copied]),
+            [self.value_entries[i] for i in copied],
         )
 
     def apply(self, steps: Sequence[MuonStep | None]) -> None:
+        self.values.run()
+        if not self.params:  # (all of a relay's rows dropped, or all arrive as values)
+            return
         step = steps[self.group]
         assert step is not None  # updates are of Muon groups
-        if not self.params:  # (all of a relay's rows dropped)
-            return
         alpha = step.alpha(self.scale)
         if isinstance(alpha, Tensor):  # a tensor lr, on the device: scaled there, never read
             scales = (
@@ -143,6 +156,32 @@ class Updates:
         else:
             torch._foreach_addcmul_(self.params, self.directions, self.row_scales, value=alpha)
         self.rounded.run()
+
+
+@dataclass(frozen=True)
+class NewMains:
+    """The new main weights of matrices owned here whose main weights are held here ([Note: main
+    weights] in ``dmuon_fsdp._step.state``), made before the results are collected:
+    ``scratch`` (float32) takes the main weights (``take``), decayed and updated by the
+    results (``update``, of ``scratch``), and the results take the scratch (``spread``), so
+    that every holder receives the rows' new values instead of their directions. Nothing is
+    committed: the main weights take the scratch with their bucket's ``Updates.values``, after
+    the verdict."""
+
+    take: Copies
+    group: int
+    scratch: list[Tensor]
+    update: Updates
+    spread: Copies
+
+    def run(self, steps: Sequence[MuonStep | None]) -> None:
+        step = steps[self.group]
+        assert step is not None  # of Muon groups
+        self.take.run()
+        if step.weight_decay:
+            torch._foreach_mul_(self.scratch, step.decay_factor())
+        self.update.apply(steps)
+        self.spread.run()
 
 
 @dataclass(frozen=True)
@@ -169,9 +208,9 @@ class RelayProgram:
 class BucketProgram:
     """One bucket bound to its slot's buffers (see ``dmuon_fsdp._step.buffers``), in the order a step
     runs it: ``stage`` makes its NS inputs, ``to_owners`` carries them, ``assemble`` stacks what
-    arrived, ``batches`` orthogonalize (then ``after_ns`` runs), ``collect`` fills the way
-    back, ``from_owners`` returns the results, ``writes`` and ``updates`` apply them, and the
-    bucket's ``relays`` carry the rest to the replicas outside each owner's."""
+    arrived, ``batches`` orthogonalize (then ``after_ns`` and ``new_mains`` run), ``collect``
+    fills the way back, ``from_owners`` returns the results, ``writes`` and ``updates`` apply
+    them, and the bucket's ``relays`` carry the rest to the replicas outside each owner's."""
 
     reads: tuple[int, ...]  # the step's gradients (indices) its NS inputs are made from, here
     needs: tuple[int, ...]  # those of every parameter with a matrix in it, on any rank
@@ -180,6 +219,7 @@ class BucketProgram:
     assemble: Copies  # received pieces (and own ones, when staged) into the stacks
     batches: tuple[Batch, ...]
     after_ns: tuple[Runnable, ...]  # work on the owned matrices after their NS (a row variant's)
+    new_mains: tuple[NewMains, ...]  # then the owned matrices' main weights held here, into the results
     collect: Copies  # results into the return buffer (and own ones into the way back's arena)
     from_owners: comm.Exchange | None
     updates: tuple[Updates, ...]
@@ -386,7 +426,7 @@ class StepProgram:
             for lists in self.muon:
                 step = steps[lists.group]
                 assert step is not None  # these are Muon groups
-                if step.weight_decay:
+                if step.weight_decay and lists.params:
                     torch._foreach_mul_(lists.params, step.decay_factor())
 
     def adamw_step(self, grads: list[Tensor], groups: Sequence[dict[str, Any]], stats: Phases) -> None:

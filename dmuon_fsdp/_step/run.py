@@ -173,6 +173,8 @@ class StepRun:
                     stats.ns_matrices += batch.stack.shape[0]
                 for work in bucket.after_ns:
                     work.run()
+                for new in bucket.new_mains:  # (not committed: see ``NewMains``)
+                    new.run(self.steps)
         with stats.phase("return"):
             if not discarded:
                 bucket.collect.run()

@@ -27,7 +27,7 @@ from dmuon_fsdp._step.buffers import Pool
 from dmuon_fsdp._step.errors import raise_for
 from dmuon_fsdp._step.flags import StepKey, Verdict, agreed, key_agreement
 from dmuon_fsdp._step.planner import Plan
-from dmuon_fsdp._step.planning import Planned, Trouble, plan_program
+from dmuon_fsdp._step.planning import Planned, Trouble, main_homes, plan_program
 from dmuon_fsdp._step.program import StepProgram
 from dmuon_fsdp._step.run import StepRun, StepStats
 from dmuon_fsdp._step.state import MAIN, MainWeights, restore_state, stale_layouts
@@ -173,7 +173,7 @@ class ProgramCache:
         if program is None or program.generation != self._pool.generation or program.moved(params, state):
             self._bound.pop(in_use, None)
             del program
-            restore_state(groups, state)  # state cleared by hand starts afresh
+            restore_state(groups, state, settings.homes, settings.site.rank)  # (cleared by hand: afresh)
             if in_use not in self._plans:
                 while len(self._plans) >= PROGRAMS_KEPT:
                     self._bound.pop(self._plans.popitem(last=False)[0], None)
@@ -216,6 +216,7 @@ class Runtime:
         self.mains = MainWeights()
         self.forward = ForwardFinish(self.mains)
         self.settings: Settings | None = None
+        self.everywhere: set[Tensor] = set()  # parameters whose main weights every holder keeps (QKClip's)
         self._no_overlap_reason: str | None = None  # why steps do not begin in backward (said once)
         self._warned_no_grads = False  # a step without any gradient warns once
         self._idle: str | None = None  # what an option that has nothing to do says (once; "": said)
@@ -237,13 +238,17 @@ class Runtime:
         site = comm.exchange_site(meshes, params)
         if options.overlap_forward:
             self.forward.watch([p for g in groups if g["use_muon"] for p in g["params"]])
-        self.settings = Settings.resolve(options, site, device, wanted and not self._no_overlap_reason)
+        before = self.settings
+        previous = before.homes if before is not None and before.site.ranks == site.ranks else None
+        homes = main_homes(groups, names, site.ranks, self.everywhere, previous)
+        in_backward = wanted and not self._no_overlap_reason
+        self.settings = Settings.resolve(options, site, device, in_backward, homes)
 
     def set_options(self, options: Options, device: torch.device | None = None) -> None:
         """A settable option changed, or the parameters moved to ``device``: the settings anew."""
         settings = self.ready()
         device = device or settings.device
-        self.settings = Settings.resolve(options, settings.site, device, settings.in_backward)
+        self.settings = Settings.resolve(options, settings.site, device, settings.in_backward, settings.homes)
 
     def ready(self) -> Settings:
         assert self.settings is not None  # set with the first param group (torch wants one)

@@ -6,7 +6,7 @@ implementation. No communication."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, TypedDict
@@ -32,14 +32,26 @@ def local_shard(t: Tensor) -> Tensor:
 # [Note: main weights] A parameter stored in a 16-bit float type cannot take a Muon update
 # below half its spacing (2^-8 of its magnitude in bfloat16: 6e-4 at 0.15, where an update of lr
 # 2e-3 moves an entry about 3e-4): rounded to nearest, most vanish. With ``main_weights`` (the
-# default) such a parameter keeps a float32 copy in its state (``main_weight``, placed like it,
-# with float32 moments): weight decay, AdamW and every Muon update (from its owner or by relay)
-# are applied to the main weight, and the rows they touch are rounded into the parameter right
-# after (``Updates.rounded``). Every replica holds the same main rows and does the same float32
-# math, so replicas stay bitwise equal; a checkpoint carries the main weights, so a resume is
-# exact. What is written into the parameter by anything else (a load, a copy) is taken into the
-# main weight before the next step (``MainWeights``). Memory: 4 bytes per element of each such
-# parameter's local shard, on every rank that holds it, plus the moments in float32.
+# default) such a parameter keeps a float32 copy (``main_weight``, in its state) and float32
+# moments; weight decay, AdamW and every Muon update are applied to the main weight, and the
+# rows they touch are rounded into the parameter. Where the main weight lives:
+# - A sharded parameter (FSDP2, HSDP, tensor parallel): placed like it, each holder the main rows
+#   of its shard (4 bytes per element of the local shard). Muon updates from the owner or by
+#   relay are applied to them and rounded into the parameter right after (``Updates.rounded``).
+# - A Muon parameter every rank holds whole (DDP, replicated tensors): on one rank only, its
+#   *home* (``planning.main_homes``: balanced, fixed for the parameters and meshes, whatever a
+#   step's gradients), which owns each of its matrices in every plan. After NS the owner makes
+#   the new main weight in float32 scratch (decay, then the update) and writes it over the result
+#   (``NewMains``): every holder receives its rows' new values instead of their direction, by
+#   the same exchanges and relays, and copies them into the parameter (``Updates.values``,
+#   rounding); the owner's main weight takes the scratch after the verdict. So 4 bytes per
+#   element of the parameters a rank owns, about 1/W of the model, instead of all of it.
+#   ``QKClip`` scales its weights on every holder: those keep their main weights on every rank.
+# Every rank rounds the same float32 numbers alike, so replicas stay bitwise equal. A checkpoint
+# carries the main weights a rank holds: under DDP each rank's (DCP saves each once); a state
+# dict without one this rank holds (rank 0's alone, loaded everywhere) makes it from the
+# parameter, alike. What is written into the parameter by anything else (a load, a copy) is
+# taken into the main weight before the next step (``MainWeights``).
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -48,15 +60,21 @@ def keeps_main(p: Tensor, group: dict[str, Any]) -> bool:
     return bool(group["main_weights"]) and p.dtype in LOW_PRECISION
 
 
-def state_keys(group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
+def holds_main(p: Tensor, group: dict[str, Any], homes: Mapping[Tensor, int], rank: int) -> bool:
+    """Whether plan rank ``rank`` holds ``p``'s main weight: ``p`` keeps one, and its home
+    (``homes``, when it has one) is ``rank``."""
+    return keeps_main(p, group) and homes.get(p, rank) == rank
+
+
+def state_keys(group: dict[str, Any], p: Tensor, main: bool) -> tuple[str, ...]:
     """The state entries of parameter ``p`` of ``group``: Muon's momentum buffer (and its row
-    variant's row state), or AdamW's ``step`` and moments; and its main weight, if it keeps one."""
+    variant's row state), or AdamW's ``step`` and moments; and its main weight, with ``main``."""
     if not group["use_muon"]:
         keys: tuple[str, ...] = ("step", "exp_avg", "exp_avg_sq")
     else:
         variant = row_variant(group)
         keys = ("momentum_buffer",) if variant is None else ("momentum_buffer", variant.state_key)
-    return (*keys, MAIN) if keeps_main(p, group) else keys
+    return (*keys, MAIN) if main else keys
 
 
 MAIN = "main_weight"
@@ -87,26 +105,32 @@ def initial_state(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
     return state
 
 
-def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
+def restore_state(
+    groups: Sequence[dict[str, Any]], state: Any, homes: Mapping[Tensor, int], rank: int
+) -> None:
     """Make afresh the state that was cleared or removed by hand (``opt.state.clear()``, ``del
     opt.state[p]``, a new ``opt.state``): a parameter missing a state entry of its kind starts as
     before its first step, as with torch's optimizers (whose state is lazy). A group whose
     ``variant`` or ``flatten`` changed keeps its momentum: the row state of its variant starts at
-    zero in the new shape, another variant's goes."""
+    zero in the new shape, another variant's goes. A main weight is kept where plan rank
+    ``rank`` holds it (``holds_main``) and goes elsewhere."""
     every = row_state_keys() | {MAIN}
     for group in groups:
         variant = row_variant(group)
         row_key = variant.state_key if variant is not None else None
         for p in group["params"]:
-            keys = state_keys(group, p)
+            main = holds_main(p, group, homes, rank)
+            keys = state_keys(group, p, main)
             held = state.get(p, {})
             missing = [key for key in keys if key not in held]
             if set(missing) - {row_key, MAIN}:
                 state[p] = initial_state(p, group)
+                if not main:
+                    state[p].pop(MAIN, None)
                 continue
-            for key in every - set(keys):  # another variant's row state goes, a main weight not kept
+            for key in every - set(keys):  # another variant's row state goes, a main weight not held
                 held.pop(key, None)
-            if MAIN in missing:  # (a state saved without one: from the parameter as it is)
+            if MAIN in missing:  # (a state saved without one, or held elsewhere: from the parameter)
                 held[MAIN] = main_weight(p)
             reshaped = (
                 row_key is not None
@@ -117,22 +141,30 @@ def restore_state(groups: Sequence[dict[str, Any]], state: Any) -> None:
                 held[row_key] = row_state_like(p, group["flatten"])  # (``flatten`` changed)
 
 
-def restore_loaded(groups: Sequence[dict[str, Any]], state: Any, saved: dict[Tensor, dict[str, Any]]) -> None:
+def restore_loaded(
+    groups: Sequence[dict[str, Any]],
+    state: Any,
+    saved: dict[Tensor, dict[str, Any]],
+    homes: Mapping[Tensor, int],
+    rank: int,
+) -> None:
     """After torch's ``load_state_dict``: the state the dict did not hold made afresh
     (``restore_state``), each AdamW ``step`` a float32 tensor on its parameter's device, where
     fused AdamW reads it, and the float32 state of a parameter with a main weight float32 as
     saved (``saved``: each parameter's entries in the dict; torch casts them to the parameter's
     dtype)."""
-    restore_state(groups, state)
+    restore_state(groups, state, homes, rank)
     for group in groups:
         for p in group["params"]:
             held = state[p]
             if "step" in held:
                 held["step"] = held["step"].to(device=p.device, dtype=torch.float32)
-            if MAIN not in held:
+            if not keeps_main(p, group):  # (its state is float32 also where its main weight is not)
                 continue
             for key, value in saved.get(p, {}).items():
-                if key != "step" and isinstance(value, Tensor) and value.dtype == torch.float32:
+                if key == "step" or (key == MAIN and MAIN not in held):  # (held by another rank)
+                    continue
+                if isinstance(value, Tensor) and value.dtype == torch.float32:
                     held[key] = value.to(device=p.device, copy=True)
 
 
@@ -342,7 +374,7 @@ def check_saved_state(name: str, param: Tensor, group: dict[str, Any], saved: di
     """``saved`` (from a state dict) must hold the state keys of the parameter's kind, each
     shaped like the parameter (a row variant's state like its rows, ``step`` aside), or
     nothing (the parameter then starts afresh)."""
-    expected = set(state_keys(group, param)) - {MAIN}  # (a main weight is taken when saved, else made)
+    expected = set(state_keys(group, param, main=False))  # (a main weight is taken when saved, else made)
     if saved and set(saved) - {MAIN} != expected:
         raise ValueError(f"{name}: state dict holds {sorted(saved)}, expected {sorted(expected)}")
     for key, value in saved.items():

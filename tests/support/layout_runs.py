@@ -74,7 +74,8 @@ def check(results, min_owners, reuses_slots=True):
     orthogonalized exactly once in the whole job, NS spread over at least ``min_owners`` ranks,
     no gathers, and the bytes each rank sent equal to its plan's count; with ``reuses_slots``,
     more buckets than buffer slots (later buckets reuse earlier ones' buffers)."""
-    errors = {n: max(r[0][n] for r in results) for n in results[0][0]}
+    # (a main weight held by one rank: its error there, and some rank holds each)
+    errors = {n: max(e for r in results if (e := r[0][n]) is not None) for n in results[0][0]}
     print(f"max relative error {max(errors.values()):.2e}")  # shown with pytest -s
     assert max(errors.values()) <= TOLERANCE, errors
     counts = [r[1] for r in results]

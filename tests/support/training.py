@@ -130,8 +130,18 @@ class Reference:
                     factors = partial(self.row_reference, state=state, group=group)
                     reference_muon_step(p, g, buf, **options, row_factors=factors)
 
-    def errors(self) -> dict[str, float]:
+    def errors(self) -> dict[str, float | None]:
         """Each parameter's relative error from the reference's: of its float32 main weight where
-        it keeps one (a bfloat16 parameter is that, rounded)."""
-        held = {n: self.opt.state.get(p, {}).get("main_weight", p) for n, p in self.named.items()}
-        return {n: relative_error(full(w).detach(), self.params[n]) for n, w in held.items()}
+        it keeps one (a bfloat16 parameter is that, rounded); None for a 16-bit parameter whose
+        main weight another rank holds (its owner, under DDP): that rank tells."""
+        state, low = self.opt.state, (torch.bfloat16, torch.float16)
+        out: dict[str, float | None] = {}
+        for n, p in self.named.items():
+            main = state.get(p, {}).get("main_weight")
+            elsewhere = main is None and p.dtype in low and self.groups[p]["main_weights"]
+            out[n] = (
+                None
+                if elsewhere
+                else relative_error(full(p if main is None else main).detach(), self.params[n])
+            )
+        return out

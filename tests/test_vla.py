@@ -157,12 +157,12 @@ def test_a_vla_trains_as_the_float64_reference(model, layout, world_size, frozen
         assert set(UNREAD[model]) <= set(no_grad)
 
 
-@pytest.mark.parametrize("options", [{}, {"overlap_backward": True}, {"overlap_forward": True}])
+@pytest.mark.parametrize("options", [{}, {"overlap_backward": True, "overlap_forward": True}])
 def test_pi0_in_lerobots_bf16_mix_keeps_float32_main_weights_that_follow_the_reference(options):
     """Its bfloat16 Muon matrices' float32 main weights follow the float64 reference fed the
     same gradients as closely as float32 weights do; the replicas stay bitwise equal: also
     with the step begun in backward (the owners' new main weights made before the verdict) and
-    with its relays left to the next forward."""
+    its relays left to the next forward."""
     from tests.support.spawn import run_ranks
 
     results = run_ranks(pi0_bf16_run, 2, options, timeout=300)

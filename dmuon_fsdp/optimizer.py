@@ -191,7 +191,8 @@ class DMuonFSDP(Optimizer):
             for p in self.param_groups[g]["params"]:
                 self._indexed.append((g, p))
                 self._params.append(p)
-                self.state[p].update(initial_state(p, self.param_groups[g]))
+                # (no main weight yet: ``_set_meshes`` makes it where it is held)
+                self.state[p].update(initial_state(p, self.param_groups[g], main=False))
         self._set_meshes(meshes)
 
     def _set_meshes(self, meshes: dict[Any, str]) -> None:  # the parameters or their meshes changed

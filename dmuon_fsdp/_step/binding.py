@@ -476,7 +476,7 @@ class _Binder:
             row_factors = factors.get(t)
             if cls not in made:
                 update = Updates(*cls, [], [], [] if row_factors is not None else None)
-                made[cls] = NewMains(Copies([], []), cls[0], update.params, update, Copies([], []))
+                made[cls] = NewMains(Copies([], []), update, Copies([], []))
             new = made[cls]
             new.take.add(new_main, main)
             new.update.params.append(new_main)

@@ -161,25 +161,22 @@ class Updates:
 @dataclass(frozen=True)
 class NewMains:
     """The new main weights of matrices owned here whose main weights are held here ([Note: main
-    weights] in ``dmuon_fsdp._step.state``), made before the results are collected:
-    ``scratch`` (float32) takes the main weights (``take``), decayed and updated by the
-    results (``update``, of ``scratch``), and the results take the scratch (``spread``), so
-    that every holder receives the rows' new values instead of their directions. Nothing is
-    committed: the main weights take the scratch with their bucket's ``Updates.values``, after
-    the verdict."""
+    weights] in ``dmuon_fsdp._step.state``), made before the results are collected: float32
+    scratch (``update.params``) takes the main weights (``take``), decayed and updated by the
+    results (``update``), and the results take the scratch (``spread``), so that every holder
+    receives the rows' new values instead of their directions. Nothing is committed: the main
+    weights take the scratch with their bucket's ``Updates.values``, after the verdict."""
 
     take: Copies
-    group: int
-    scratch: list[Tensor]
     update: Updates
     spread: Copies
 
     def run(self, steps: Sequence[MuonStep | None]) -> None:
-        step = steps[self.group]
+        step = steps[self.update.group]
         assert step is not None  # of Muon groups
         self.take.run()
         if step.weight_decay:
-            torch._foreach_mul_(self.scratch, step.decay_factor())
+            torch._foreach_mul_(self.update.params, step.decay_factor())
         self.update.apply(steps)
         self.spread.run()
 

@@ -85,13 +85,14 @@ def main_weight(p: Tensor) -> Tensor:
     return p.detach().to(torch.float32, copy=True)
 
 
-def initial_state(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+def initial_state(p: Tensor, group: dict[str, Any], main: bool) -> dict[str, Tensor]:
     """A parameter's optimizer state before its first step, placed like the parameter: Muon's
     momentum buffer (and its row variant's row state, placed like the parameter's rows), or
     AdamW's moments and ``step`` (a plain tensor on the parameter's device, where fused AdamW
-    reads it); with a main weight, it and the moments in float32."""
-    main = keeps_main(p, group)
-    zeros = torch.zeros_like(p, dtype=torch.float32 if main else p.dtype, memory_format=torch.preserve_format)
+    reads it); for a 16-bit parameter that keeps a main weight, the moments in float32, and with
+    ``main`` (this rank holds it: ``holds_main``) the main weight."""
+    wide = keeps_main(p, group)
+    zeros = torch.zeros_like(p, dtype=torch.float32 if wide else p.dtype, memory_format=torch.preserve_format)
     if group["use_muon"]:
         state = {"momentum_buffer": zeros}
         variant = row_variant(group)
@@ -100,7 +101,7 @@ def initial_state(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
     else:
         step = torch.zeros((), dtype=torch.float32, device=p.device)
         state = {"step": step, "exp_avg": zeros, "exp_avg_sq": torch.zeros_like(zeros)}
-    if main:
+    if wide and main:
         state[MAIN] = main_weight(p)
     return state
 
@@ -124,9 +125,7 @@ def restore_state(
             held = state.get(p, {})
             missing = [key for key in keys if key not in held]
             if set(missing) - {row_key, MAIN}:
-                state[p] = initial_state(p, group)
-                if not main:
-                    state[p].pop(MAIN, None)
+                state[p] = initial_state(p, group, main)
                 continue
             for key in every - set(keys):  # another variant's row state goes, a main weight not held
                 held.pop(key, None)

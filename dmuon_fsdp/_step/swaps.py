@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dmuon_fsdp._step.state import initial_state, local_shard
+from dmuon_fsdp._step.state import MAIN, initial_state, local_shard
 from dmuon_fsdp.routing import MODEL_OF, check_new_groups, indexed
 
 
@@ -105,14 +105,14 @@ def follow(
         if new is old:
             state[new] = saved
         elif written and saved:
-            fresh = initial_state(new, groups[g])  # how each entry is placed on the new tensor
+            fresh = initial_state(new, groups[g], main=MAIN in saved)  # how each entry is placed on it
             state[new] = {
                 key: value.to(new.device) if key == "step" else placed_like(value, fresh[key])
                 for key, value in saved.items()
                 if key in fresh  # (an entry the group's variant no longer keeps goes)
             }
         else:
-            state[new] = initial_state(new, groups[g])
+            state[new] = initial_state(new, groups[g], main=False)  # (``_set_meshes`` makes a main weight)
     return Followed(now, names, meshes)
 
 
